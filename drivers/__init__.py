@@ -1,0 +1,34 @@
+"""Physical-memory drivers: reserve virtual ranges, map pool pages into them, view them as tensors."""
+
+from .base import DriverStats, MemoryDriver, Reservation
+from .cuda import CudaDriver
+from .errors import (
+    AlreadyMappedError,
+    DriverClosedError,
+    DriverError,
+    DriverUnavailableError,
+    InvalidOffsetError,
+    NotMappedError,
+    PageStateError,
+    PoolExhaustedError,
+    RawCallError,
+)
+from .host import DEFAULT_PAGE_SIZE, HostDriver
+
+__all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "AlreadyMappedError",
+    "CudaDriver",
+    "DriverClosedError",
+    "DriverError",
+    "DriverStats",
+    "DriverUnavailableError",
+    "HostDriver",
+    "InvalidOffsetError",
+    "MemoryDriver",
+    "NotMappedError",
+    "PageStateError",
+    "PoolExhaustedError",
+    "RawCallError",
+    "Reservation",
+]

@@ -1,0 +1,125 @@
+"""HostDriver: real virtual memory on Linux CPUs through memfd + mmap.
+
+The pool is one memfd; mapping places pool pages into a PROT_NONE reservation with
+MAP_SHARED|MAP_FIXED; unmapping swaps a fresh PROT_NONE reservation back in with
+MAP_FIXED, so the range is never a hole another mmap could take.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+
+import torch
+
+from .base import MemoryDriver
+from .errors import DriverUnavailableError, RawCallError
+
+PROT_NONE = 0x0
+PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+MAP_SHARED = 0x01
+MAP_PRIVATE = 0x02
+MAP_FIXED = 0x10
+MAP_ANONYMOUS = 0x20
+MAP_NORESERVE = 0x4000
+MAP_POPULATE = 0x8000
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+DEFAULT_PAGE_SIZE = 64 * 1024
+
+
+def _load_libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.fallocate.restype = ctypes.c_int
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return libc
+
+
+_libc = _load_libc() if sys.platform.startswith("linux") else None
+
+
+def _errno_error(what: str) -> RawCallError:
+    err = ctypes.get_errno()
+    return RawCallError(err, f"{what} failed: {os.strerror(err)}")
+
+
+class HostDriver(MemoryDriver):
+    """Physical pages from one memfd, mapped into reserved virtual ranges on demand.
+
+    page_size: any multiple of the OS page size (default 64 KiB; 2 MiB works).
+    populate: pre-fault pages when mapping (MAP_POPULATE) so first touch does not fault.
+    preallocate: back the whole pool up front (posix_fallocate) so mapping never finds
+        the machine out of memory later.
+    """
+
+    device = torch.device("cpu")
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        populate: bool = False,
+        preallocate: bool = False,
+        debug: bool = False,
+    ) -> None:
+        if _libc is None:
+            raise DriverUnavailableError("HostDriver needs Linux (memfd_create and mmap MAP_FIXED)")
+        os_page = mmap.PAGESIZE
+        if page_size <= 0 or page_size % os_page:
+            raise ValueError(f"page_size must be a positive multiple of the OS page size {os_page}, "
+                             f"got {page_size}")
+        super().__init__(page_size, num_pages, debug)
+        self.populate = populate
+        self._fd = os.memfd_create("vmkv-pool", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, num_pages * page_size)
+            if preallocate:
+                os.posix_fallocate(self._fd, 0, num_pages * page_size)
+        except OSError:
+            os.close(self._fd)
+            raise
+
+    def _mmap(self, addr: int, size: int, prot: int, flags: int, fd: int, off: int, what: str) -> int:
+        got = _libc.mmap(addr or None, size, prot, flags, fd, off)
+        if got == MAP_FAILED or got is None:
+            raise _errno_error(what)
+        if addr and got != addr:  # MAP_FIXED never moves; guard anyway
+            raise RawCallError(0, f"{what} placed memory at {got:#x} instead of {addr:#x}")
+        return got
+
+    def _raw_reserve(self, size: int) -> int:
+        return self._mmap(0, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0, "reserve")
+
+    def _raw_release(self, base: int, size: int) -> None:
+        if _libc.munmap(base, size):
+            raise _errno_error("munmap")
+
+    def _raw_map(self, addr: int, first_page: int, num_pages: int) -> None:
+        flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
+        self._mmap(addr, num_pages * self.page_size, PROT_RW, flags, self._fd,
+                   first_page * self.page_size, "map")
+
+    def _raw_unmap(self, addr: int, num_pages: int) -> None:
+        self._mmap(addr, num_pages * self.page_size, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0, "unmap")
+
+    def _raw_view(self, addr: int, nbytes: int) -> torch.Tensor:
+        buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+
+    def _raw_punch(self, page: int) -> None:
+        mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        if _libc.fallocate(self._fd, mode, page * self.page_size, self.page_size):
+            raise _errno_error("fallocate(PUNCH_HOLE)")
+
+    def _raw_close(self) -> None:
+        os.close(self._fd)

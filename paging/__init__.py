@@ -1,0 +1,1 @@
+"""PagedAttention layout: block pool, block tables, copy-on-write, prefix caching, swap."""

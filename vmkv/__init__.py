@@ -1,0 +1,1 @@
+"""vmkv: a KV-cache engine with a virtual-memory (vAttention) layout and a paged layout."""

@@ -1,0 +1,197 @@
+"""The one KV-cache contract every layout implements (vattention, paged, contiguous).
+
+The engine never looks inside a layout: it admits, grows, forks and frees sequences,
+asks for free capacity, and once per step turns the batch into a layout-specific plan
+that each layer's attention call reads. Attention itself is model-independent: packed
+(varlen) queries, per-sequence lengths, grouped-query heads, causal within a sequence.
+
+Token positions: a sequence's KV occupies positions 0..len-1. In one step a sequence
+writes `num_new` tokens at positions num_cached..num_cached+num_new-1 and those same
+tokens are its queries, each attending causally to every position up to its own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class OutOfKVMemory(MemoryError):
+    """The documented 'memory is short' signal: the scheduler preempts and retries.
+
+    Raised before any state changes, so the cache stays usable and no sequence's data
+    is touched.
+    """
+
+    def __init__(self, needed: int, free: int, unit: str) -> None:
+        super().__init__(f"KV cache out of memory: need {needed} {unit}, {free} free")
+        self.needed = needed
+        self.free = free
+        self.unit = unit
+
+
+class SequenceTooLong(ValueError):
+    """A sequence would grow past the cache's max_len; it can never fit, so do not retry."""
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What a layout must store per token: one K and one V of [num_kv_heads, head_dim] per layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """K + V bytes one token takes in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.bytes_per_token_per_layer
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence's share of a step: write and attend for num_new tokens after num_cached."""
+
+    seq_id: int
+    num_cached: int
+    num_new: int
+
+    @property
+    def context_len(self) -> int:
+        return self.num_cached + self.num_new
+
+
+@dataclass
+class StepBatch:
+    """Layout-independent metadata of a step, built once and shared by every layer.
+
+    query_start[i]..query_start[i+1] are sequence i's rows in the packed q/k/v.
+    """
+
+    steps: list[SeqStep]
+    query_start: torch.Tensor  # int64 [B+1], on the cache's device
+    num_cached: torch.Tensor  # int64 [B]
+    context_lens: torch.Tensor  # int64 [B]
+    max_query_len: int
+    max_context_len: int
+    is_decode_only: bool
+
+    @classmethod
+    def build(cls, steps: Sequence[SeqStep], device: torch.device | str = "cpu") -> StepBatch:
+        steps = list(steps)
+        if not steps:
+            raise ValueError("a step needs at least one sequence")
+        for s in steps:
+            if s.num_new < 1 or s.num_cached < 0:
+                raise ValueError(f"invalid step {s}: num_new must be >= 1 and num_cached >= 0")
+        new = torch.tensor([s.num_new for s in steps], dtype=torch.int64)
+        cached = torch.tensor([s.num_cached for s in steps], dtype=torch.int64)
+        start = torch.zeros(len(steps) + 1, dtype=torch.int64)
+        torch.cumsum(new, 0, out=start[1:])
+        return cls(
+            steps=steps,
+            query_start=start.to(device),
+            num_cached=cached.to(device),
+            context_lens=(cached + new).to(device),
+            max_query_len=int(new.max()),
+            max_context_len=int((cached + new).max()),
+            is_decode_only=bool((new == 1).all()),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.steps)
+
+
+@dataclass
+class KVMemory:
+    """Bytes, for the capacity comparison: reserved (address space or up-front allocation),
+    allocated (physical memory held), used (bytes of tokens actually stored)."""
+
+    reserved_bytes: int
+    allocated_bytes: int
+    used_bytes: int
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        """Allocated minus used: internal fragmentation plus anything kept on purpose."""
+        return self.allocated_bytes - self.used_bytes
+
+
+class KVCache(ABC):
+    """Sequence lifecycle + per-layer write-and-attend, the same for every layout."""
+
+    kind: str
+    shape: KVShape
+    max_len: int
+    device: torch.device
+
+    # ------------------------------------------------------------ lifecycle
+    @abstractmethod
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether a new sequence of num_tokens would fit right now."""
+
+    @abstractmethod
+    def admit(self, seq_id: int, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Allocate for a new sequence's prompt; returns how many leading tokens are already
+        cached (prefix caching; always < len(token_ids)). Raises OutOfKVMemory."""
+
+    @abstractmethod
+    def grow(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Make room for token_ids appended to the sequence (written by the next step).
+        Atomic: raises OutOfKVMemory and changes nothing when memory is short."""
+
+    @abstractmethod
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """child_id starts as a copy of parent_id, sharing its KV where the layout can."""
+
+    @abstractmethod
+    def free(self, seq_id: int) -> None:
+        """Release everything the sequence holds."""
+
+    @abstractmethod
+    def free_capacity(self) -> int:
+        """Tokens that could still be stored (upper bound; shared pages/blocks not counted)."""
+
+    @abstractmethod
+    def usage(self) -> float:
+        """Fraction of the KV memory budget in use, 0..1 (the kv_cache_usage_perc metric)."""
+
+    @abstractmethod
+    def memory(self) -> KVMemory: ...
+
+    @abstractmethod
+    def counters(self) -> dict[str, float]:
+        """The layout's own event counts (page maps, block allocations, CoW copies, ...)."""
+
+    # ----------------------------------------------------------- preemption
+    @abstractmethod
+    def swap_out(self, seq_ids: Sequence[int]) -> None:
+        """Move the sequences' KV to host memory and release their device memory."""
+
+    @abstractmethod
+    def swap_in(self, seq_ids: Sequence[int]) -> None:
+        """Bring swapped sequences back. Raises OutOfKVMemory if they do not fit yet."""
+
+    # -------------------------------------------------------------- a step
+    @abstractmethod
+    def prepare(self, batch: StepBatch) -> object:
+        """Turn the step's batch into the layout's plan (slots, block tables, ...), once per step."""
+
+    @abstractmethod
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object, scale: float
+    ) -> torch.Tensor:
+        """Write this step's k/v [T, Hkv, D] for `layer`, then return attention of q [T, Hq, D]
+        over each sequence's whole context as [T, Hq, D]."""
+
+    def close(self) -> None:
+        """Give back every resource (driver pages, threads)."""
