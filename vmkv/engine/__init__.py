@@ -1,0 +1,1 @@
+"""The serving engine: scheduler, model runner, sampler, and the LLM front door."""
