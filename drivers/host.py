@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from .base import MemoryDriver
+from .base import MemoryDriver, as_int
 from .errors import DriverUnavailableError, RawCallError
 
 PROT_NONE = 0x0
@@ -74,6 +74,7 @@ class HostDriver(MemoryDriver):
         if _libc is None:
             raise DriverUnavailableError("HostDriver needs Linux (memfd_create and mmap MAP_FIXED)")
         os_page = mmap.PAGESIZE
+        page_size = as_int(page_size, "page_size")
         if page_size <= 0 or page_size % os_page:
             raise ValueError(f"page_size must be a positive multiple of the OS page size {os_page}, "
                              f"got {page_size}")
