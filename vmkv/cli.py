@@ -1,0 +1,81 @@
+"""The `vmkv` command: one function per subcommand, wired up with argparse."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as transformers_logging
+
+from vmkv.model.store import DEFAULT_MODEL, UnknownModelError, load_model, load_tokenizer, resolve_model
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def complete_chat(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_tokens: int
+) -> str:
+    """Greedy chat completion of one user message (transformers `generate`, until the engine takes over)."""
+    messages = [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def cmd_pull(args: argparse.Namespace) -> None:
+    print(resolve_model(args.model))
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    path = resolve_model(args.model)
+    model = load_model(path)
+    tokenizer = load_tokenizer(path)
+    print(complete_chat(model, tokenizer, args.prompt, args.max_tokens))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vmkv", description="vmkv: a KV-cache engine for LLM serving")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    pull = commands.add_parser("pull", help="download and convert a model, print its checkpoint directory")
+    pull.add_argument("--model", default=DEFAULT_MODEL, help="model name or local checkpoint directory")
+    pull.set_defaults(handler=cmd_pull)
+
+    chat = commands.add_parser("chat", help="print a greedy chat completion of PROMPT")
+    chat.add_argument("prompt", metavar="PROMPT")
+    chat.add_argument("--model", default=DEFAULT_MODEL, help="model name or local checkpoint directory")
+    chat.add_argument("--max-tokens", type=positive_int, default=128, help="most new tokens to generate")
+    chat.set_defaults(handler=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="vmkv: %(message)s")
+    transformers_logging.disable_progress_bar()
+    try:
+        args.handler(args)
+    except UnknownModelError as error:
+        parser.exit(2, f"vmkv: error: {error}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""A tiny random-weight Llama checkpoint, built locally in about a second, as a fast stand-in model.
+
+It has the default model's shape of problem (grouped-query attention, tied embeddings,
+byte-level BPE tokenizer, ChatML template) at a size where tests run in milliseconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_TRAINING_TEXT = [
+    "The capital of France is Paris.",
+    "What is the capital of France?",
+    "A key-value cache stores the keys and values of every token a model has seen.",
+    "Virtual memory maps pages of physical memory into one contiguous range of addresses.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "The quick brown fox jumps over the lazy dog 0123456789 times.",
+]
+
+
+def build_tiny_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a few sentences: encodes any text, decodes it back exactly."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD_TOKEN, BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TRAINING_TEXT, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_llama(
+    path: str | Path,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 4096,
+) -> Path:
+    """Write a random-weight Llama checkpoint (bf16 safetensors, config, tokenizer) to `path`.
+
+    The same seed always gives the same weights. Weights are drawn wider than Llama's usual
+    0.02 so greedy decoding has clear winners rather than near-ties that rounding could flip.
+    """
+    path = Path(path)
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
