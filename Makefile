@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	else \
 		$(BIN)/pip install --quiet torch==2.13.0; \
 	fi
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)
