@@ -1,0 +1,297 @@
+"""Attention through block tables, for a batch that mixes prefill and decode sequences.
+
+The step's plan is built once (`plan`) and read by every layer (`forward`). Four paths:
+
+- reference: each sequence's blocks are gathered into one tensor and SDPA runs on it;
+- torch: one-token (decode) sequences are batched: their K/V rows are gathered head-major
+  with one index_select each and one SDPA call attends them all; other sequences run alone;
+- cpu_kernel: as torch, but decode runs the compiled paged kernel (cpu_kernel.py), which
+  reads blocks in place: nothing is gathered;
+- flash: flash-attn's varlen kernel with a block table, one call for the whole batch (GPU
+  with flash-attn installed and a block size that is a multiple of 256).
+
+Sequences with several new tokens (prefill, chunks) take the same route in torch and
+cpu_kernel: with nothing cached yet they attend their own new k/v directly, otherwise their
+context is gathered from the blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vmkv.kv_cache import StepBatch
+
+from .cpu_kernel import PagedDecodeKernel, load_decode_kernel
+
+
+def causal_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float
+) -> torch.Tensor:
+    """q [n, Hq, D] at positions num_cached.., over k/v [L, Hkv, D]; causal, GQA. -> [n, Hq, D]."""
+    n, length = q.shape[0], k.shape[0]
+    mask = None
+    if num_cached:  # SDPA's is_causal aligns top-left; queries sit at the end of the context
+        mask = (
+            torch.arange(length, device=q.device)
+            <= torch.arange(num_cached, length, device=q.device)[:, None]
+        )
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=not num_cached and n > 1,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+@dataclass
+class SeqPart:
+    """A sequence attended on its own: rows start..end of the packed batch."""
+
+    start: int
+    end: int
+    num_cached: int
+    context_len: int
+    blocks: torch.Tensor | None  # the blocks holding its context; None: the new k/v are the context
+
+
+@dataclass
+class DecodePart:
+    """The batch's one-token sequences, attended together."""
+
+    rows: torch.Tensor  # int64 [Bd]: their rows in the packed batch
+    whole_batch: bool  # every sequence decodes, rows == 0..T-1
+    tables: torch.Tensor  # int32 [Bd, max_blocks]
+    lens: torch.Tensor  # int32 [Bd]: context lengths
+    max_len: int
+    gather: torch.Tensor | None = None  # torch path: int64 [Bd * Hkv * max_len] rows of [slots * Hkv, D]
+    mask: torch.Tensor | None = None  # torch path: bool [Bd, 1, 1, max_len]
+
+
+@dataclass
+class FlashPart:
+    cu_seqlens_q: torch.Tensor  # int32 [B+1]
+    cu_seqlens_k: torch.Tensor  # int32 [B+1]
+    tables: torch.Tensor  # int32 [B, max_blocks]
+
+
+@dataclass
+class PagedPlan:
+    """What every layer of one step reads: where to write, and how to attend."""
+
+    batch: StepBatch
+    slot_mapping: torch.Tensor  # int64 [T]: block * block_size + offset of every new token
+    parts: list[SeqPart]  # sequences attended one by one
+    decode: DecodePart | None = None
+    flash: FlashPart | None = None
+
+
+def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+
+
+class ReferenceAttention:
+    """Gather each sequence's blocks, run SDPA on them: slow, obviously right."""
+
+    name = "reference"
+
+    def plan(self, batch: StepBatch, tables: list[list[int]], slot_mapping: torch.Tensor) -> PagedPlan:
+        starts = batch.query_start.tolist()
+        device = slot_mapping.device  # the cache's device, whatever the batch was built on
+        parts = [
+            SeqPart(starts[i], starts[i + 1], s.num_cached, s.context_len, torch.tensor(t, device=device))
+            for i, (s, t) in enumerate(zip(batch.steps, tables, strict=True))
+        ]
+        return PagedPlan(batch, slot_mapping, parts)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_blocks: torch.Tensor,
+        v_blocks: torch.Tensor,
+        plan: PagedPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        _attend_parts(q, k, v, k_blocks, v_blocks, plan.parts, out, scale)
+        return out
+
+
+def _attend_parts(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    parts: list[SeqPart],
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    for p in parts:
+        if p.blocks is None:
+            ctx_k, ctx_v = k[p.start : p.end], v[p.start : p.end]
+        else:
+            ctx_k = k_blocks.index_select(0, p.blocks).flatten(0, 1)[: p.context_len]
+            ctx_v = v_blocks.index_select(0, p.blocks).flatten(0, 1)[: p.context_len]
+        out[p.start : p.end] = causal_sdpa(q[p.start : p.end], ctx_k, ctx_v, p.num_cached, scale)
+
+
+class BatchedAttention:
+    """Decode sequences together, the others one by one.
+
+    Decode runs the compiled kernel when use_kernel (built on first use for the query/KV head
+    grouping it sees), else gather + SDPA; where the kernel cannot be built it falls back to
+    gather + SDPA, or raises if require_kernel.
+    """
+
+    def __init__(self, use_kernel: bool, require_kernel: bool = False) -> None:
+        self.use_kernel = use_kernel
+        self.require_kernel = require_kernel
+        self._kernels: dict[int, PagedDecodeKernel | None] = {}
+
+    @property
+    def name(self) -> str:
+        return "cpu_kernel" if self.use_kernel else "torch"
+
+    def plan(self, batch: StepBatch, tables: list[list[int]], slot_mapping: torch.Tensor) -> PagedPlan:
+        device = slot_mapping.device  # the cache's device, whatever the batch was built on
+        starts = batch.query_start.tolist()
+        parts, decode_ids = [], []
+        for i, (s, t) in enumerate(zip(batch.steps, tables, strict=True)):
+            if s.num_new == 1:
+                decode_ids.append(i)
+            else:
+                blocks = torch.tensor(t, device=device) if s.num_cached else None
+                parts.append(SeqPart(starts[i], starts[i + 1], s.num_cached, s.context_len, blocks))
+        plan = PagedPlan(batch, slot_mapping, parts)
+        if decode_ids:
+            lens = [batch.steps[i].context_len for i in decode_ids]
+            plan.decode = DecodePart(
+                rows=torch.tensor([starts[i] for i in decode_ids], dtype=torch.int64, device=device),
+                whole_batch=len(decode_ids) == len(batch.steps),
+                tables=_padded_tables([tables[i] for i in decode_ids], device),
+                lens=torch.tensor(lens, dtype=torch.int32, device=device),
+                max_len=max(lens),
+            )
+        return plan
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_blocks: torch.Tensor,
+        v_blocks: torch.Tensor,
+        plan: PagedPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        d = plan.decode
+        kernel = self._kernel(q, k_blocks) if d is not None and self.use_kernel else None
+        if d is not None and d.whole_batch and kernel is None:
+            return self._decode_sdpa(q, k_blocks, v_blocks, d, scale).view_as(q)
+        out = torch.empty_like(q)
+        if kernel is not None:
+            kernel(q.contiguous(), k_blocks, v_blocks, d.tables, d.lens, d.rows, out, scale)
+        elif d is not None:
+            out.index_copy_(0, d.rows, self._decode_sdpa(q, k_blocks, v_blocks, d, scale).flatten(1, 2))
+        _attend_parts(q, k, v, k_blocks, v_blocks, plan.parts, out, scale)
+        return out
+
+    def _kernel(self, q: torch.Tensor, k_blocks: torch.Tensor) -> PagedDecodeKernel | None:
+        group = q.shape[1] // k_blocks.shape[2]
+        if group not in self._kernels:
+            _, block_size, num_kv_heads, head_dim = k_blocks.shape
+            kernel = load_decode_kernel(k_blocks.dtype, num_kv_heads, group, head_dim, block_size)
+            if kernel is None and self.require_kernel:
+                raise RuntimeError("the compiled paged kernel cannot be built here (see the log for why)")
+            self._kernels[group] = kernel
+            self.use_kernel = kernel is not None  # the name then says which path really runs
+        return self._kernels[group]
+
+    @staticmethod
+    def _decode_sdpa(
+        q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, d: DecodePart, scale: float
+    ) -> torch.Tensor:
+        """Attention of the decode rows -> [Bd, Hkv, G, D]."""
+        _, block_size, num_kv_heads, head_dim = k_blocks.shape
+        if d.gather is None:  # built by the first layer of the step, reused by the others
+            device = k_blocks.device
+            offsets = torch.arange(block_size, device=device)
+            slots = (d.tables.long()[:, :, None] * block_size + offsets).flatten(1)[:, : d.max_len]
+            heads = torch.arange(num_kv_heads, device=device)
+            d.gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+            d.mask = (torch.arange(d.max_len, device=device) < d.lens[:, None])[:, None, None, :]
+        bd = d.rows.shape[0]
+        # rows of the [slots * Hkv, D] view, gathered straight into SDPA's [B, Hkv, L, D] layout
+        kk = k_blocks.view(-1, head_dim).index_select(0, d.gather).view(bd, num_kv_heads, d.max_len, head_dim)
+        vv = v_blocks.view(-1, head_dim).index_select(0, d.gather).view(bd, num_kv_heads, d.max_len, head_dim)
+        qq = q if d.whole_batch else q.index_select(0, d.rows)
+        # the G query heads that share a KV head act as G query rows of that head
+        return F.scaled_dot_product_attention(
+            qq.reshape(bd, num_kv_heads, -1, head_dim), kk, vv, attn_mask=d.mask, scale=scale
+        )
+
+
+class FlashAttention:
+    """flash-attn's varlen kernel reading the block table: one call for the whole batch."""
+
+    name = "flash"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func  # GPU only; checked by flash_available()
+
+        self._varlen = flash_attn_varlen_func
+
+    def plan(self, batch: StepBatch, tables: list[list[int]], slot_mapping: torch.Tensor) -> PagedPlan:
+        device = slot_mapping.device  # the cache's device, whatever the batch was built on
+        cu_k = torch.zeros(len(batch.steps) + 1, dtype=torch.int32, device=device)
+        cu_k[1:] = torch.cumsum(batch.context_lens, 0)
+        flash = FlashPart(batch.query_start.to(device, torch.int32), cu_k, _padded_tables(tables, device))
+        return PagedPlan(batch, slot_mapping, [], flash=flash)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_blocks: torch.Tensor,
+        v_blocks: torch.Tensor,
+        plan: PagedPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        f = plan.flash
+        return self._varlen(
+            q,
+            k_blocks,
+            v_blocks,
+            f.cu_seqlens_q,
+            f.cu_seqlens_k,
+            plan.batch.max_query_len,
+            plan.batch.max_context_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=f.tables,
+        )
+
+
+def flash_available(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
+    """flash-attn's paged kernels: CUDA, fp16/bf16, block size a multiple of 256."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or block_size % 256:
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+PagedAttentionPath = ReferenceAttention | BatchedAttention | FlashAttention

@@ -1,0 +1,432 @@
+"""PagedKVCache: the PagedAttention layout behind the one KV-cache contract.
+
+Storage is one tensor `kv` of [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim],
+allocated up front from the byte budget. Token-major blocks are what flash-attn's paged
+kernels read, and with all layers in one tensor a copy-on-write or a swap moves a block in
+every layer with a single copy.
+
+Lifecycle rules, which keep shared KV immutable:
+- a step may write only blocks its sequence owns alone (count one, not in the prefix cache);
+  `prepare` checks this;
+- copy-on-write happens in `grow`, when the block the next step writes into is shared (the
+  partly filled last block after a fork); the data copy is done there, before the step;
+- a block enters the prefix cache once it is full and its KV written in every layer, i.e.
+  after the last layer's `attend` of the step that computed it. A request admitted in the
+  same step as the one still computing a block therefore does not reuse it (it computes its
+  own copy); one admitted after that step does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, OutOfKVMemory, SequenceTooLong, StepBatch
+
+from .attention import (
+    BatchedAttention,
+    FlashAttention,
+    PagedAttentionPath,
+    PagedPlan,
+    ReferenceAttention,
+    flash_available,
+)
+from .block_pool import Block, BlockPool
+from .prefix_cache import BlockKey, chain_hashes
+from .sequence import PagedSequence
+from .swap import SwappedBlocks, copy_from_host, copy_to_host
+
+ATTENTION_PATHS = ("auto", "reference", "torch", "cpu_kernel", "flash")
+
+
+@dataclass
+class PagedCounters:
+    cow_copies: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries_total)
+    prefix_cache_hits: int = 0  # of which were found cached
+    prefix_cache_query_blocks: int = 0
+    prefix_cache_hit_blocks: int = 0
+    hash_collisions: int = 0  # equal hash, different prefix: detected, never shared
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_out_seconds: float = 0.0
+    swap_in_seconds: float = 0.0
+
+
+class PagedKVCache(KVCache):
+    kind = "paged"
+
+    def __init__(
+        self,
+        shape: KVShape,
+        max_len: int,
+        kv_budget_bytes: int,
+        block_size: int = 16,
+        device: torch.device | str = "cpu",
+        enable_prefix_caching: bool = True,
+        model_id: str = "",
+        attention: str = "auto",
+    ) -> None:
+        """model_id and a request's cache_salt make the prefix-cache identity; attention picks
+        the path (see attention.py): "auto" is flash where usable, else the compiled CPU kernel
+        on a CPU (torch where it cannot be built), else torch."""
+        if block_size < 1 or max_len < 1:
+            raise ValueError(f"block_size and max_len must be positive, got {block_size} and {max_len}")
+        self.shape = shape
+        self.max_len = max_len
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.model_id = model_id
+        self.block_bytes = block_size * shape.bytes_per_token
+        num_blocks = kv_budget_bytes // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_budget_bytes={kv_budget_bytes} is less than one block ({self.block_bytes} bytes)"
+            )
+        self.pool = BlockPool(num_blocks)
+        self.kv = torch.zeros(
+            (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
+            dtype=shape.dtype,
+            device=self.device,
+        )
+        self._blocks = [(self.kv[i, 0], self.kv[i, 1]) for i in range(shape.num_layers)]
+        # the same memory as [slots, kv_heads, head_dim]: one index_copy_ writes a step's tokens
+        self._slots = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self._blocks]
+        self.attention = self._attention_path(attention)
+        self._seqs: dict[int, PagedSequence] = {}
+        self._counters = PagedCounters()
+
+    def _attention_path(self, name: str) -> PagedAttentionPath:
+        if name not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {name!r}")
+        shape, device = self.shape, self.device
+        if name == "auto" and flash_available(device, shape.dtype, self.block_size):
+            name = "flash"
+        if name == "flash":
+            if not flash_available(device, shape.dtype, self.block_size):
+                raise ValueError(
+                    "flash needs flash-attn, a CUDA device, fp16/bf16 and a block size multiple of 256"
+                )
+            return FlashAttention()
+        if name == "reference":
+            return ReferenceAttention()
+        if name == "cpu_kernel" and device.type != "cpu":
+            raise ValueError("the compiled paged kernel runs on the CPU only")
+        return BatchedAttention(
+            use_kernel=name != "torch" and device.type == "cpu", require_kernel=name == "cpu_kernel"
+        )
+
+    # ------------------------------------------------------------ lifecycle
+    def can_admit(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_len and self._blocks_for(num_tokens) <= self.pool.num_free
+
+    def admit(self, seq_id: int, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} is already admitted")
+        seq = PagedSequence(seq_id, list(token_ids), (self.model_id, cache_salt))
+        if not seq.token_ids:
+            raise ValueError("a sequence needs at least one token")
+        if seq.num_tokens > self.max_len:
+            raise SequenceTooLong(f"prompt of {seq.num_tokens} tokens exceeds max_len={self.max_len}")
+        hits: list[Block] = []
+        if self.enable_prefix_caching:
+            seq.block_hashes = chain_hashes(seq.token_ids, self.block_size, seq.identity, None, 0)
+            hits = self._cached_prefix(seq)
+        # the last prompt token is always computed (its logits sample the next token): when the
+        # whole prompt is cached, its last block comes as a private copy for that one write or,
+        # with no block to spare for the copy, is recomputed whole
+        copy_last = len(hits) * self.block_size == seq.num_tokens
+        needed, free = self._admission_need(seq, hits, copy_last)
+        if copy_last and needed > free:
+            hits.pop()
+            copy_last = False
+            needed, free = self._admission_need(seq, hits, copy_last)
+        if needed > free:
+            raise OutOfKVMemory(needed, free, "blocks")
+        for b in hits:
+            self.pool.take(b)
+        seq.block_table = [b.block_id for b in hits]
+        seq.block_keys = [b.key for b in hits]
+        if copy_last:
+            self._copy_on_write(seq, len(hits) - 1)
+            seq.block_keys.pop()
+        while len(seq.block_table) < self._blocks_for(seq.num_tokens):
+            seq.block_table.append(self.pool.allocate().block_id)
+        seq.num_computed = min(len(hits) * self.block_size, seq.num_tokens - 1)
+        if self.enable_prefix_caching:
+            c = self._counters
+            c.prefix_cache_queries += seq.num_tokens
+            c.prefix_cache_hits += seq.num_computed
+            c.prefix_cache_query_blocks += len(seq.block_hashes)
+            c.prefix_cache_hit_blocks += len(hits)
+        self._seqs[seq_id] = seq
+        return seq.num_computed
+
+    def grow(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        seq = self._running(seq_id)
+        new = list(token_ids)
+        if not new:
+            raise ValueError("grow needs at least one token")
+        total = seq.num_tokens + len(new)
+        if total > self.max_len:
+            raise SequenceTooLong(
+                f"sequence {seq_id} would grow to {total} tokens, past max_len={self.max_len}"
+            )
+        fresh = self._blocks_for(total) - len(seq.block_table)
+        # the next step writes into the partly filled last block: copy it first if it is shared
+        shared_last = (
+            seq.num_tokens % self.block_size != 0 and self.pool.blocks[seq.block_table[-1]].ref_count > 1
+        )
+        if fresh + shared_last > self.pool.num_free:
+            raise OutOfKVMemory(fresh + shared_last, self.pool.num_free, "blocks")
+        if shared_last:
+            self._copy_on_write(seq, len(seq.block_table) - 1)
+        seq.block_table.extend(self.pool.allocate().block_id for _ in range(fresh))
+        seq.token_ids.extend(new)
+        if self.enable_prefix_caching:
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes += chain_hashes(
+                seq.token_ids, self.block_size, seq.identity, parent, len(seq.block_hashes)
+            )
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        parent = self._running(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id} already exists")
+        for b in parent.block_table:
+            self.pool.take(self.pool.blocks[b])
+        self._seqs[child_id] = parent.copy(child_id)
+
+    def free(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id}")
+        self._release(seq)  # a swapped-out one holds no blocks; its host copy goes with it
+
+    def free_capacity(self) -> int:
+        return self.pool.num_free * self.block_size
+
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def memory(self) -> KVMemory:
+        in_use = self.pool.num_blocks - self.pool.num_free
+        # every block in use is full except a sequence's last one (shared ones counted once)
+        partial: dict[int, int] = {}
+        for seq in self._seqs.values():
+            fill = seq.num_tokens % self.block_size
+            if fill and seq.swapped is None:
+                last = seq.block_table[-1]
+                partial[last] = max(partial.get(last, 0), fill)
+        used_tokens = in_use * self.block_size - sum(self.block_size - f for f in partial.values())
+        return KVMemory(
+            reserved_bytes=self.pool.num_blocks * self.block_bytes,
+            allocated_bytes=in_use * self.block_bytes,
+            used_bytes=used_tokens * self.shape.bytes_per_token,
+        )
+
+    def counters(self) -> dict[str, float]:
+        pool = self.pool
+        return {
+            "blocks_total": pool.num_blocks,
+            "blocks_in_use": pool.num_blocks - pool.num_free,
+            "blocks_cached_free": len(pool.cached_free),
+            "blocks_allocated": pool.counters.blocks_allocated,
+            "prefix_cache_evictions": pool.counters.evictions,
+            **asdict(self._counters),
+        }
+
+    # ----------------------------------------------------------- preemption
+    def swap_out(self, seq_ids: Sequence[int]) -> None:
+        seqs = self._distinct(seq_ids, self._running)
+        if not seqs:
+            return
+        start = time.perf_counter()
+        distinct = list(dict.fromkeys(b for s in seqs for b in s.block_table))
+        slot = {b: i for i, b in enumerate(distinct)}
+        host = copy_to_host(self.kv, distinct)
+        for s in seqs:
+            swapped = SwappedBlocks(host, [slot[b] for b in s.block_table])
+            self._release(s)
+            s.swapped = swapped
+        self._counters.swap_out_bytes += host.numel() * host.element_size()
+        self._counters.swap_out_seconds += time.perf_counter() - start
+
+    def swap_in(self, seq_ids: Sequence[int]) -> None:
+        seqs = self._distinct(seq_ids, self._swapped)
+        # one new block per distinct host block: what the group shared, it shares again
+        wanted = list(dict.fromkeys((id(s.swapped.host), slot) for s in seqs for slot in s.swapped.slots))
+        if len(wanted) > self.pool.num_free:
+            raise OutOfKVMemory(len(wanted), self.pool.num_free, "blocks")
+        start = time.perf_counter()
+        hosts = {id(s.swapped.host): s.swapped.host for s in seqs}
+        placed: dict[tuple[int, int], Block] = {}
+        for host_id, host in hosts.items():
+            slots = [slot for h, slot in wanted if h == host_id]
+            blocks = [self.pool.allocate() for _ in slots]
+            copy_from_host(self.kv, host, slots, [b.block_id for b in blocks])
+            placed.update(((host_id, slot), b) for slot, b in zip(slots, blocks, strict=True))
+            self._counters.swap_in_bytes += len(slots) * host[:, :, 0].numel() * host.element_size()
+        taken: set[int] = set()
+        for s in seqs:
+            blocks = [placed[(id(s.swapped.host), slot)] for slot in s.swapped.slots]
+            for b in blocks:
+                if b.block_id in taken:
+                    self.pool.take(b)
+                taken.add(b.block_id)
+            s.block_table = [b.block_id for b in blocks]
+            s.swapped = None
+            self._recache(s)
+        self._counters.swap_in_seconds += time.perf_counter() - start
+
+    # -------------------------------------------------------------- a step
+    def prepare(self, batch: StepBatch) -> PagedPlan:
+        bs = self.block_size
+        tables, slots, seen = [], [], set()
+        for s in batch.steps:
+            seq = self._running(s.seq_id)
+            if s.seq_id in seen:
+                raise ValueError(f"sequence {s.seq_id} appears twice in one step")
+            seen.add(s.seq_id)
+            if s.context_len > seq.num_tokens:
+                raise ValueError(
+                    f"sequence {s.seq_id}: the step writes up to token {s.context_len} but only "
+                    f"{seq.num_tokens} are allocated (grow first)"
+                )
+            table = seq.block_table
+            for i in range(s.num_cached // bs, (s.context_len - 1) // bs + 1):
+                block = self.pool.blocks[table[i]]
+                if block.ref_count > 1 or block.block_hash is not None:
+                    raise ValueError(
+                        f"sequence {s.seq_id}: block {i} is shared (forked or prefix-cached); a step "
+                        "may only write blocks it owns alone"
+                    )
+            tables.append(table)
+            slots.extend(table[p // bs] * bs + p % bs for p in range(s.num_cached, s.context_len))
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return self.attention.plan(batch, tables, slot_mapping)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PagedPlan, scale: float
+    ) -> torch.Tensor:
+        if not 0 <= layer < self.shape.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.shape.num_layers} layers")
+        if q.dtype != self.shape.dtype:
+            raise ValueError(f"q is {q.dtype} but the cache holds {self.shape.dtype}")
+        k_slots, v_slots = self._slots[layer]
+        k_slots.index_copy_(0, plan.slot_mapping, k)
+        v_slots.index_copy_(0, plan.slot_mapping, v)
+        k_blocks, v_blocks = self._blocks[layer]
+        out = self.attention.forward(q, k, v, k_blocks, v_blocks, plan, scale)
+        if layer == self.shape.num_layers - 1:
+            self._commit(plan)
+        return out
+
+    def close(self) -> None:
+        self._seqs.clear()
+        self.kv = torch.empty(0, dtype=self.shape.dtype, device=self.device)
+        self._blocks, self._slots = [], []
+
+    # -------------------------------------------------------------- helpers
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _admission_need(self, seq: PagedSequence, hits: list[Block], copy_last: bool) -> tuple[int, int]:
+        """(blocks to allocate, blocks free for that) when admitting seq with these cache hits;
+        hits that sit in the cached free list stop being free once taken."""
+        needed = self._blocks_for(seq.num_tokens) - len(hits) + copy_last
+        return needed, self.pool.num_free - sum(1 for b in hits if b.ref_count == 0)
+
+    def _running(self, seq_id: int) -> PagedSequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id}")
+        if seq.swapped is not None:
+            raise ValueError(f"sequence {seq_id} is swapped out")
+        return seq
+
+    def _swapped(self, seq_id: int) -> PagedSequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id}")
+        if seq.swapped is None:
+            raise ValueError(f"sequence {seq_id} is not swapped out")
+        return seq
+
+    @staticmethod
+    def _distinct(seq_ids: Sequence[int], get: Callable[[int], PagedSequence]) -> list[PagedSequence]:
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence appears twice in {list(seq_ids)}")
+        return [get(i) for i in seq_ids]
+
+    def _release(self, seq: PagedSequence) -> None:
+        """Drop the sequence's references, tail first: on eviction the cache then gives up a
+        prefix's last blocks before its first ones, which more requests share."""
+        for b in reversed(seq.block_table):
+            self.pool.release(self.pool.blocks[b])
+        seq.block_table = []
+
+    def _copy_on_write(self, seq: PagedSequence, i: int) -> None:
+        """Give seq a private copy of its logical block i (every layer); the caller checked that
+        a block is free."""
+        old = self.pool.blocks[seq.block_table[i]]
+        new = self.pool.allocate()
+        self.kv[:, :, new.block_id].copy_(self.kv[:, :, old.block_id])
+        self.pool.release(old)
+        seq.block_table[i] = new.block_id
+        self._counters.cow_copies += 1
+
+    def _cached_prefix(self, seq: PagedSequence) -> list[Block]:
+        """The cached blocks holding seq's longest prefix of full blocks, each hit verified."""
+        hits: list[Block] = []
+        parent: BlockKey | None = None
+        for i, block_hash in enumerate(seq.block_hashes):
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            if not block.key.matches(parent, tokens, seq.identity):
+                self._counters.hash_collisions += 1
+                break
+            hits.append(block)
+            parent = block.key
+        return hits
+
+    def _commit(self, plan: PagedPlan) -> None:
+        """After the last layer wrote the step's KV: advance what is computed, cache full blocks."""
+        for s in plan.batch.steps:
+            seq = self._seqs.get(s.seq_id)
+            if seq is None or seq.swapped is not None:
+                continue
+            seq.num_computed = max(seq.num_computed, s.context_len)
+            if self.enable_prefix_caching:
+                self._cache_computed_blocks(seq)
+
+    def _cache_computed_blocks(self, seq: PagedSequence) -> None:
+        bs = self.block_size
+        for i in range(len(seq.block_keys), seq.num_computed // bs):
+            parent = seq.block_keys[-1] if seq.block_keys else None
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            cached = self.pool.lookup(seq.block_hashes[i])
+            if cached is None:
+                key = BlockKey(parent, tokens, seq.identity)
+                self.pool.index(self.pool.blocks[seq.block_table[i]], seq.block_hashes[i], key)
+            elif cached.key.matches(parent, tokens, seq.identity):
+                key = cached.key  # computed twice at once: keep the cached copy, share its key
+            else:
+                self._counters.hash_collisions += 1
+                key = BlockKey(parent, tokens, seq.identity)
+            seq.block_keys.append(key)
+
+    def _recache(self, seq: PagedSequence) -> None:
+        """Index a swapped-in sequence's computed full blocks again where nothing else holds their hash."""
+        if not self.enable_prefix_caching:
+            return
+        for i, key in enumerate(seq.block_keys):
+            block = self.pool.blocks[seq.block_table[i]]
+            if block.block_hash is None and self.pool.lookup(seq.block_hashes[i]) is None:
+                self.pool.index(block, seq.block_hashes[i], key)
