@@ -1,0 +1,582 @@
+"""Lifecycle, page accounting, optimisations and failure behaviour of the vattention layout."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from vmkv.drivers import HostDriver, RawCallError
+
+from vmkv.kv_cache import KVShape, OutOfKVMemory, SeqStep, SequenceTooLong, StepBatch
+from vmkv.vattention import VAttentionConfig, VAttentionKVCache
+
+# 128 B per token per tensor: 32 tokens per 4 KiB page token-major, 64 per page head-major.
+SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+PAGE = 4096
+MAX_LEN = 200
+STRICT = {"background_mapping": False, "deferred_reclamation": False, "eager_steps": 0, "group_pad_pages": 0}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes gain nothing from a second thread, and on a busy machine its barrier waits dominate."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_cache(num_sets: int = 16, **options: object) -> VAttentionKVCache:
+    layout = options.setdefault("layout", "token")
+    units = 2 * SHAPE.num_layers * (1 if layout == "token" else SHAPE.num_kv_heads)
+    return VAttentionKVCache(SHAPE, MAX_LEN, num_sets * units * PAGE, page_size=PAGE, **options)
+
+
+def write(cache: VAttentionKVCache, steps: list[SeqStep], fill: dict[int, float]) -> None:
+    """Run a step whose new K/V of sequence s are all fill[s] (V is -fill[s])."""
+    batch = StepBatch.build(steps)
+    plan = cache.prepare(batch)
+    kv_shape = (SHAPE.num_kv_heads, SHAPE.head_dim)
+    k = torch.cat([torch.full((s.num_new, *kv_shape), fill[s.seq_id]) for s in steps])
+    q = torch.zeros(batch.num_tokens, 4, SHAPE.head_dim)
+    for layer in range(SHAPE.num_layers):
+        cache.attend(layer, q, k, -k, plan, 0.25)
+
+
+def stored(cache: VAttentionKVCache, seq_id: int, length: int) -> list[torch.Tensor]:
+    """The K views of a sequence's first `length` tokens in every layer (copied out)."""
+    slot = cache._seqs[seq_id].slot
+    return [k[slot, :length].clone() for k in cache._k] + [v[slot, :length].clone() for v in cache._v]
+
+
+def check_invariants(cache: VAttentionKVCache, strict: bool) -> None:
+    """The issue's invariants, read under the cache lock so a running mapper cannot interleave."""
+    geo, drv, pool = cache.geometry, cache.driver, cache.pool
+    with cache._lock:
+        holders: dict[int, int] = {}
+        for slot in cache._slots:
+            for set_id in slot.sets:
+                holders[set_id] = holders.get(set_id, 0) + 1
+            if slot.seq_id is None:
+                continue
+            seq = cache._seqs[slot.seq_id]
+            assert seq.slot == slot.index
+            needed = geo.pages_for(seq.length)
+            # every token the sequence may write is backed, in every column of every tensor
+            for res, base in cache._placed:
+                for c in range(geo.columns):
+                    off = base + geo.page_offset(slot.index, c, 0)
+                    assert drv.is_mapped(res, off, seq.length * geo.column_token_bytes)
+            assert len(slot.sets) >= needed
+            if strict:  # nothing kept, nothing mapped ahead: exactly the pages the tokens touch
+                assert len(slot.sets) == needed
+        if strict:
+            assert all(slot.sets == [] for slot in cache._slots if slot.seq_id is None)
+        # a page is mapped once per slot holding its set; more than once only when shared by fork
+        for set_id in range(pool.num_sets):
+            assert pool.refcount[set_id] == holders.get(set_id, 0)
+            for unit in range(geo.units):
+                assert drv.map_count(pool.physical(set_id, unit)) == holders.get(set_id, 0)
+        # the pool is conserved: every set is free or held, the driver maps exactly the held pages
+        assert pool.free_count + len(holders) == pool.num_sets
+        assert drv.stats.pages_mapped == sum(holders.values()) * geo.units
+        assert cache.counters()["mapper_errors"] == 0
+
+
+# ---------------------------------------------------------------- accounting
+@pytest.mark.parametrize("layout", ["token", "head"])
+def test_admit_grow_free_keep_page_accounting_exact(layout: str) -> None:
+    cache = make_cache(layout=layout, **STRICT)
+    geo = cache.geometry
+    cache.admit(1, [0] * 10)
+    cache.admit(2, [0] * 32)
+    assert cache.slot_pages(1) == 1 and cache.slot_pages(2) == geo.pages_for(32)
+    cache.grow(2, [0])
+    assert cache.slot_pages(2) == geo.pages_for(33)
+    for _ in range(70):
+        cache.grow(1, [0])
+    assert cache.slot_pages(1) == geo.pages_for(80)
+    held = geo.pages_for(80) + geo.pages_for(33)
+    assert cache.driver.stats.pages_mapped == held * geo.units
+    mem = cache.memory()
+    assert mem.allocated_bytes == held * geo.page_set_bytes
+    assert mem.used_bytes == 113 * SHAPE.bytes_per_token
+    assert mem.fragmentation_bytes == mem.allocated_bytes - mem.used_bytes
+    check_invariants(cache, strict=True)
+    cache.free(1)
+    cache.free(2)
+    assert cache.driver.stats.pages_mapped == 0 and cache.pool.free_count == cache.pool.num_sets
+    assert cache.usage() == 0.0
+    cache.close()
+
+
+def test_token_major_pages_end_mid_token() -> None:
+    """384 B tokens (SmolLM2): a 64 KiB page holds 170.67 tokens; token 170 straddles pages 0 and 1."""
+    shape = KVShape(num_layers=1, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    cache = VAttentionKVCache(shape, 1024, 8 << 20, background_mapping=False, layout="token")
+    geo = cache.geometry
+    assert geo.column_token_bytes == 384 and geo.tokens_backed(1) == 170
+    assert geo.pages_for(170) == 1 and geo.pages_for(171) == 2
+    cache.admit(0, [0] * 171)
+    assert cache.slot_pages(0) == 2
+    cache.close()
+
+
+def test_auto_layout_is_head_major_for_small_pages_and_token_major_for_2_mib() -> None:
+    shape = KVShape(num_layers=1, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    small = VAttentionKVCache(shape, 1024, 8 << 20, background_mapping=False)
+    large = VAttentionKVCache(shape, 8192, 8 << 20, page_size=2 << 20, background_mapping=False)
+    assert small.geometry.layout == "head" and small.geometry.tokens_backed(1) == 512
+    assert large.geometry.layout == "token" and large.geometry.tokens_backed(1) == 5461
+    small.close()
+    large.close()
+
+
+# --------------------------------------------------------------- exhaustion
+@pytest.mark.parametrize("options", [STRICT, {}], ids=["strict", "optimised"])
+def test_pool_exhaustion_raises_before_any_change_and_cache_stays_usable(options: dict) -> None:
+    cache = make_cache(num_sets=4, **options)
+    cache.admit(1, [0] * 64)  # 2 sets
+    cache.admit(2, [0] * 60)  # 2 sets
+    write(cache, [SeqStep(1, 0, 64), SeqStep(2, 0, 60)], {1: 1.0, 2: 2.0})
+    cache.wait_mapper()
+
+    def snapshot() -> tuple:
+        data = stored(cache, 1, 64) + stored(cache, 2, 60)
+        return data, cache.pool.free_count, cache.driver.stats.pages_mapped
+
+    before = snapshot()
+    with pytest.raises(OutOfKVMemory) as err:
+        cache.admit(3, [0] * 40)
+    assert err.value.unit == "pages" and err.value.needed == 2 * cache.geometry.units
+    with pytest.raises(OutOfKVMemory):
+        cache.grow(1, [0] * 5)
+    assert cache._seqs[1].length == 64 and 3 not in cache._seqs
+    assert not cache.can_admit(40)
+    after = snapshot()
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0], strict=True))
+    assert before[1:] == after[1:]
+    cache.free(2)
+    assert cache.can_admit(40)
+    cache.admit(3, [0] * 20)
+    cache.grow(1, [0] * 5)
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_a_map_the_os_refuses_is_undone_and_reported_as_out_of_memory() -> None:
+    """mmap fails with ENOMEM at vm.max_map_count: the half-mapped page set is rolled back."""
+    cache = make_cache(**STRICT)
+    cache.admit(1, [0] * 10)
+    raw_map, calls = cache.driver._raw_map, []
+
+    def failing_map(addr: int, first_page: int, num_pages: int) -> None:
+        calls.append(addr)
+        if len(calls) >= 3:
+            raise RawCallError(errno.ENOMEM, "map failed: Cannot allocate memory")
+        raw_map(addr, first_page, num_pages)
+
+    cache.driver._raw_map = failing_map
+    with pytest.raises(OutOfKVMemory):
+        cache.grow(1, [0] * 40)
+    with pytest.raises(OutOfKVMemory):
+        cache.admit(2, [0] * 5)
+    assert cache._seqs[1].length == 10 and 2 not in cache._seqs
+    check_invariants(cache, strict=True)
+    cache.driver._raw_map = raw_map
+    cache.grow(1, [0] * 40)
+    check_invariants(cache, strict=True)
+    cache.close()
+
+
+def test_out_of_slots_is_reported_in_slots() -> None:
+    cache = make_cache(max_slots=2, **STRICT)
+    cache.admit(1, [0])
+    cache.admit(2, [0])
+    with pytest.raises(OutOfKVMemory) as err:
+        cache.admit(3, [0])
+    assert err.value.unit == "slots"
+    cache.close()
+
+
+# --------------------------------------------------------- optimisations
+def test_deferred_reclamation_reuses_kept_pages_without_mapping() -> None:
+    cache = make_cache(background_mapping=False, deferred_reclamation=True)
+    cache.admit(1, [0] * 100)  # 4 sets
+    cache.free(1)
+    assert cache.counters()["page_sets_idle_kept"] == 4
+    calls = cache.counters()["map_calls_critical"]
+    cache.admit(2, [0] * 90)
+    c = cache.counters()
+    assert c["map_calls_critical"] == calls and c["page_sets_reused"] == 3
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_deferred_pages_are_reclaimed_under_pressure_before_reporting_short() -> None:
+    cache = make_cache(num_sets=6, background_mapping=False, deferred_reclamation=True)
+    cache.admit(1, [0] * 100)  # 4 sets, kept after free
+    cache.admit(2, [0] * 10)
+    cache.free(1)
+    cache.admit(3, [0] * 10)  # takes slot 0, which keeps 3 sets more than it needs
+    cache.grow(2, [0] * 100)  # needs 3 more sets: 1 free + 2 reclaimed from slot 0
+    assert cache.counters()["page_sets_reclaimed"] == 2 and cache.pool.free_count == 0
+    assert cache.usage() == 5 / 6  # slot 0's last surplus set is still reclaimable
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_pages_a_step_reads_are_not_reclaimed_until_the_next_step() -> None:
+    """Group padding maps surplus pages the batched call reads; pressure must not take them mid-step."""
+    cache = make_cache(num_sets=6, background_mapping=False, deferred_reclamation=False, group_pad_pages=1)
+    cache.admit(1, [0] * 33)  # 2 sets
+    cache.admit(2, [0] * 20)  # 1 set, padded to 2 so slots 0 and 1 batch
+    cache.grow(1, [0])
+    cache.grow(2, [0])
+    plan = cache.prepare(StepBatch.build([SeqStep(1, 33, 1), SeqStep(2, 20, 1)]))
+    assert len(plan.groups) == 1 and cache.slot_pages(2) == 2
+    with pytest.raises(OutOfKVMemory):
+        cache.admit(3, [0] * 70)  # 3 sets: 2 free + the pinned surplus would be needed
+    res, base = cache._placed[0]
+    assert cache.driver.is_mapped(res, base + cache.geometry.page_offset(1, 0, 0), 34 * 128)
+    cache.prepare(StepBatch.build([SeqStep(1, 33, 1)]))  # the next step no longer reads slot 1's surplus
+    cache.admit(3, [0] * 70)
+    assert cache.slot_pages(2) == 1
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_eager_allocation_maps_steps_ahead_and_gives_them_up_under_pressure() -> None:
+    cache = make_cache(num_sets=3, background_mapping=False, deferred_reclamation=False, eager_steps=40)
+    cache.admit(1, [0] * 10)
+    assert cache.slot_pages(1) == cache.geometry.pages_for(50) == 2
+    cache.admit(2, [0] * 40)  # needs 2 sets: 1 free + the eager one of sequence 1
+    assert cache.slot_pages(1) == 1 and cache.counters()["page_sets_reclaimed"] == 1
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_background_mapper_maps_next_step_off_the_critical_path() -> None:
+    cache = make_cache(deferred_reclamation=False)
+    cache.admit(1, [0] * 32)  # exactly one page: the next token needs a second
+    write(cache, [SeqStep(1, 0, 32)], {1: 1.0})
+    cache.wait_mapper()
+    c = cache.counters()
+    assert cache.slot_pages(1) == 2 and c["map_calls_background"] > 0
+    cache.grow(1, [0])
+    assert cache.counters()["map_calls_critical"] == c["map_calls_critical"]
+    cache.close()
+    assert not cache._mapper.alive
+
+
+def test_mapper_job_for_a_freed_slot_is_dropped() -> None:
+    cache = make_cache(deferred_reclamation=False)
+    cache.admit(1, [0] * 32)
+    with cache._lock:  # the mapper waits on this lock until the sequence is freed
+        cache.prepare(StepBatch.build([SeqStep(1, 0, 32)]))
+        cache.free(1)
+    cache.wait_mapper()
+    assert cache.driver.stats.pages_mapped == 0
+    check_invariants(cache, strict=True)
+    cache.close()
+
+
+def test_background_mapper_never_races_free_under_stress() -> None:
+    """Many admit/grow/step/free cycles while the mapper maps ahead for each step."""
+    cache = make_cache(num_sets=10, eager_steps=24)
+    live: dict[int, int] = {}
+    next_id = 0
+    for i in range(250):
+        if len(live) < 4:
+            n = 1 + (i * 37) % 90
+            try:
+                cache.admit(next_id, [0] * n)
+                live[next_id] = n
+                next_id += 1
+            except OutOfKVMemory:
+                pass
+        steps = []
+        for sid in list(live):
+            try:
+                cache.grow(sid, [0])
+                live[sid] += 1
+                steps.append(SeqStep(sid, live[sid] - 1, 1))
+            except (OutOfKVMemory, SequenceTooLong):
+                cache.free(sid)
+                del live[sid]
+        if steps:
+            write(cache, steps, {s.seq_id: float(s.seq_id) for s in steps})
+        if i % 7 == 0 and live:
+            victim = min(live)
+            cache.free(victim)
+            del live[victim]
+        if i % 50 == 0:
+            check_invariants(cache, strict=False)
+    cache.wait_mapper()
+    check_invariants(cache, strict=False)
+    assert cache.counters()["map_calls_background"] > 0
+    cache.close()
+    assert not cache._mapper.alive and cache.driver.closed
+
+
+# -------------------------------------------------------------- fork, swap
+@pytest.mark.parametrize("layout", ["token", "head"])
+def test_fork_shares_full_pages_and_copies_the_partial_one(layout: str) -> None:
+    cache = make_cache(layout=layout, **STRICT)
+    geo = cache.geometry
+    full = geo.tokens_backed(2)  # two full pages
+    cache.admit(1, [0] * (full + 5))
+    write(cache, [SeqStep(1, 0, full + 5)], {1: 3.0})
+    cache.fork(1, 2)
+    parent, child = cache._slots[cache._seqs[1].slot], cache._slots[cache._seqs[2].slot]
+    assert child.sets[:2] == parent.sets[:2] and child.sets[2] != parent.sets[2]
+    assert all(cache.driver.map_count(cache.pool.physical(s, 0)) == 2 for s in parent.sets[:2])
+    assert all(torch.equal(a, b) for a, b in zip(stored(cache, 1, full + 5), stored(cache, 2, full + 5),
+                                                  strict=True))
+    cache.grow(1, [0])
+    cache.grow(2, [0])
+    write(cache, [SeqStep(1, full + 5, 1), SeqStep(2, full + 5, 1)], {1: 7.0, 2: 9.0})
+    assert stored(cache, 1, full + 6)[0][-1].eq(7.0).all() and stored(cache, 2, full + 6)[0][-1].eq(9.0).all()
+    assert stored(cache, 2, full + 5)[0].eq(3.0).all()
+    check_invariants(cache, strict=True)
+    cache.free(1)  # the child still maps the shared pages: they stay out of the pool
+    assert cache.pool.free_count == cache.pool.num_sets - geo.pages_for(full + 6)
+    assert stored(cache, 2, full + 5)[0].eq(3.0).all()
+    check_invariants(cache, strict=True)
+    cache.free(2)
+    assert cache.pool.free_count == cache.pool.num_sets
+    cache.close()
+
+
+def test_forked_pages_are_never_kept_for_reuse() -> None:
+    """A kept shared page would be overwritten by the slot's next sequence."""
+    cache = make_cache(background_mapping=False, deferred_reclamation=True)
+    cache.admit(1, [0] * 70)
+    write(cache, [SeqStep(1, 0, 70)], {1: 5.0})
+    cache.fork(1, 2)
+    cache.free(2)
+    cache.admit(3, [0] * 70)
+    write(cache, [SeqStep(3, 0, 70)], {3: 6.0})
+    assert stored(cache, 1, 70)[0].eq(5.0).all()
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_swap_out_releases_pages_and_swap_in_restores_kv() -> None:
+    cache = make_cache(num_sets=4, **STRICT)
+    cache.admit(1, [0] * 100)
+    write(cache, [SeqStep(1, 0, 100)], {1: 4.0})
+    before = stored(cache, 1, 100)
+    cache.swap_out([1])
+    assert cache.pool.free_count == 4 and cache.driver.stats.pages_mapped == 0
+    with pytest.raises(ValueError, match="swapped out"):
+        cache.grow(1, [0])
+    cache.admit(2, [0] * 40)
+    with pytest.raises(OutOfKVMemory):
+        cache.swap_in([1])
+    assert cache._seqs[1].slot == -1
+    cache.free(2)
+    cache.swap_in([1])
+    assert all(torch.equal(a, b) for a, b in zip(before, stored(cache, 1, 100), strict=True))
+    check_invariants(cache, strict=True)
+    cache.close()
+
+
+# ---------------------------------------------------------------- misuse
+def test_wrong_calls_raise_precise_errors() -> None:
+    cache = make_cache(**STRICT)
+    with pytest.raises(ValueError, match="empty"):
+        cache.admit(1, [])
+    with pytest.raises(SequenceTooLong):
+        cache.admit(1, [0] * (MAX_LEN + 1))
+    cache.admit(1, [0] * 10)
+    with pytest.raises(ValueError, match="already"):
+        cache.admit(1, [0])
+    with pytest.raises(KeyError):
+        cache.grow(9, [0])
+    with pytest.raises(SequenceTooLong):
+        cache.grow(1, [0] * MAX_LEN)
+    with pytest.raises(ValueError, match="room for 10"):
+        cache.prepare(StepBatch.build([SeqStep(1, 5, 6)]))
+    with pytest.raises(ValueError, match="twice"):
+        cache.prepare(StepBatch.build([SeqStep(1, 0, 1), SeqStep(1, 1, 1)]))
+    plan = cache.prepare(StepBatch.build([SeqStep(1, 0, 10)]))
+    kv = torch.zeros(10, 2, 16)
+    with pytest.raises(IndexError):
+        cache.attend(2, torch.zeros(10, 4, 16), kv, kv, plan, 1.0)
+    with pytest.raises(ValueError, match="q must be"):
+        cache.attend(0, torch.zeros(10, 3, 16), kv, kv, plan, 1.0)
+    with pytest.raises(ValueError, match="k and v"):
+        cache.attend(0, torch.zeros(10, 4, 16), kv[:9], kv[:9], plan, 1.0)
+    with pytest.raises(TypeError, match="float32"):
+        cache.attend(0, torch.zeros(10, 4, 16), kv.double(), kv.double(), plan, 1.0)
+    with pytest.raises(TypeError, match="plan"):
+        cache.attend(0, torch.zeros(10, 4, 16), kv, kv, object(), 1.0)
+    with pytest.raises(ValueError, match="layout"):
+        make_cache(layout="diagonal")
+    with pytest.raises(TypeError):
+        make_cache(no_such_option=True)
+    with pytest.raises(ValueError, match="no memory driver"):
+        VAttentionKVCache(SHAPE, MAX_LEN, 1 << 20, "meta")
+    with pytest.raises(ValueError, match="no page set"):
+        VAttentionKVCache(SHAPE, MAX_LEN, PAGE, page_size=PAGE)
+    cache.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        cache.admit(2, [0])
+
+
+def test_runs_over_a_given_driver_and_returns_its_pages() -> None:
+    driver = HostDriver(num_pages=64, page_size=PAGE)
+    config = VAttentionConfig(background_mapping=False, layout="token")
+    cache = VAttentionKVCache(SHAPE, MAX_LEN, driver=driver, config=config)
+    assert driver.free_page_count == 0 and cache.pool.num_sets == 16
+    cache.admit(1, [0] * 50)
+    cache.close()
+    assert driver.free_page_count == 64 and not driver.closed
+    driver.close()
+
+
+def test_consecutive_sets_keep_a_slot_in_one_mapping_per_column() -> None:
+    """Growing page by page continues the physical run, so the host kernel merges it into one VMA."""
+    cache = make_cache(num_sets=32, **STRICT)
+    cache.admit(1, [0] * 2)
+    cache.admit(2, [0] * 2)
+    for _ in range(150):
+        cache.grow(1, [0])
+        cache.grow(2, [0])
+    for sid in (1, 2):
+        sets = cache._slots[cache._seqs[sid].slot].sets
+        assert sets == list(range(sets[0], sets[0] + len(sets)))
+    res, base = cache._placed[0]
+    start, end = res.base + base, res.base + base + cache.geometry.tensor_bytes
+    with open("/proc/self/maps") as maps:
+        fields = [line.split() for line in maps]
+    mapped = [f for f in fields if start <= int(f[0].split("-")[0], 16) < end and f[1].startswith("rw")]
+    assert len(mapped) == 2  # one VMA per slot
+    cache.close()
+
+
+# ------------------------------------------------------- property-based
+class Lifecycle(RuleBasedStateMachine):
+    """Random admit/grow/fork/free/swap/step sequences; data and page invariants after each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: VAttentionKVCache | None = None
+        self.lengths: dict[int, int] = {}  # seq -> tokens reserved
+        self.written: dict[int, list[float]] = {}  # seq -> fill value of each written token
+        self.swapped: set[int] = set()
+        self.next_id = 0
+        self.strict = False
+
+    @initialize(layout=st.sampled_from(["token", "head"]), deferred=st.booleans(), mapper=st.booleans(),
+                eager=st.sampled_from([0, 0, 5, 40]), pad=st.sampled_from([0, 1]))
+    def start(self, layout: str, deferred: bool, mapper: bool, eager: int, pad: int) -> None:
+        self.strict = not (deferred or mapper or eager or pad)
+        self.cache = make_cache(num_sets=8, layout=layout, deferred_reclamation=deferred,
+                                background_mapping=mapper, eager_steps=eager, group_pad_pages=pad)
+
+    def teardown(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
+    def resident(self) -> list[int]:
+        return [s for s in self.lengths if s not in self.swapped]
+
+    @rule(n=st.integers(1, 120))
+    def admit(self, n: int) -> None:
+        try:
+            self.cache.admit(self.next_id, [0] * n)
+        except OutOfKVMemory:
+            return
+        self.lengths[self.next_id] = n
+        self.written[self.next_id] = []
+        self.next_id += 1
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data(), n=st.integers(1, 40))
+    def grow(self, data: st.DataObject, n: int) -> None:
+        sid = data.draw(st.sampled_from(self.resident()))
+        try:
+            self.cache.grow(sid, [0] * n)
+        except (OutOfKVMemory, SequenceTooLong):
+            return
+        self.lengths[sid] += n
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """Write every unwritten reserved token of some sequences (a prefill chunk or a decode)."""
+        chosen = data.draw(st.sets(st.sampled_from(self.resident()), min_size=1))
+        steps = [SeqStep(s, len(self.written[s]), self.lengths[s] - len(self.written[s]))
+                 for s in sorted(chosen) if self.lengths[s] > len(self.written[s])]
+        if not steps:
+            return
+        fill = {s.seq_id: float(self.next_id * 1000 + s.seq_id) for s in steps}
+        self.next_id += 1
+        write(self.cache, steps, fill)
+        for s in steps:
+            self.written[s.seq_id] += [fill[s.seq_id]] * s.num_new
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(self.resident()))
+        try:
+            self.cache.fork(parent, self.next_id)
+        except OutOfKVMemory:
+            return
+        self.lengths[self.next_id] = self.lengths[parent]
+        self.written[self.next_id] = list(self.written[parent])
+        self.next_id += 1
+
+    @precondition(lambda self: self.lengths)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.lengths)))
+        self.cache.free(sid)
+        del self.lengths[sid], self.written[sid]
+        self.swapped.discard(sid)
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(self.resident()))
+        self.cache.swap_out([sid])
+        self.swapped.add(sid)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.swapped)))
+        try:
+            self.cache.swap_in([sid])
+        except OutOfKVMemory:
+            return
+        self.swapped.discard(sid)
+
+    @invariant()
+    def pages_are_consistent(self) -> None:
+        if self.cache is not None:
+            check_invariants(self.cache, self.strict)
+
+    @invariant()
+    def no_sequence_sees_another_ones_data(self) -> None:
+        if self.cache is None:
+            return
+        for sid in self.resident():
+            want = torch.tensor(self.written[sid])
+            if not len(want):
+                continue
+            half = SHAPE.num_layers
+            for i, kv in enumerate(stored(self.cache, sid, len(want))):
+                assert torch.equal(kv[:, 0, 0], want if i < half else -want), (sid, kv[:, 0, 0], want)
+
+
+Lifecycle.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow])
+test_lifecycle = Lifecycle.TestCase

@@ -1,0 +1,263 @@
+"""Attention over dense slots: every sequence's K/V is a contiguous run of one slot.
+
+Shared by the vattention layout (slots in virtual memory) and the contiguous baseline
+(slots in plain tensors). A layout hands over, per layer, K and V as [slots, len, Hkv, D]
+views (any strides, last dim contiguous) and, per step, which slot each sequence has and
+how many of its leading tokens are backed by memory ("readable").
+
+Stock kernels run on views of those tensors, never on gathered copies:
+- decode sequences in consecutive slots are batched into one SDPA call over
+  [m, Hkv, Lmax, D] with a padding mask. The padded tail of a shorter sequence is read
+  (and masked), so a group only forms where every slot is readable up to Lmax;
+- every other sequence (prefill chunks, decodes that cannot join a group) gets its own
+  SDPA call on its exact [1, Hkv, len, D] view;
+- with flash-attn importable and the cache on a GPU, flash_attn_with_kvcache appends the
+  new K/V and attends in one call per step for decodes and one per prefill sequence.
+
+GQA without copying K/V: query head h reads KV head h // G (G = Hq / Hkv), so a decode
+query [Hq, D] is viewed as [Hkv, G, D]: G query rows against each KV head.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vmkv.kv_cache import KVShape, SeqStep, StepBatch
+
+FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
+
+# A decode group may compute at most this many times the useful attention work
+# (padded tokens / real tokens) before it is split.
+DEFAULT_MAX_PADDING = 1.5
+
+
+def flash_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """flash_attn_with_kvcache runs on CUDA in fp16/bf16 only."""
+    return FLASH_ATTN_AVAILABLE and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class DecodeGroup:
+    """Decode sequences in slots first_slot .. first_slot+len(rows)-1, attended in one call."""
+
+    rows: torch.Tensor  # int64 [m]: each slot's query row in the packed batch, in slot order
+    first_slot: int
+    max_len: int
+    mask: torch.Tensor | None  # bool [m, 1, 1, max_len], True = attend; None when all lengths are max_len
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.rows)
+
+
+@dataclass
+class SingleSeq:
+    """One sequence attended on its own (prefill chunk, or a decode no group could take)."""
+
+    row_start: int
+    row_end: int
+    slot: int
+    context_len: int
+    causal_mask: torch.Tensor | None  # bool [num_new, context_len] for a chunk after cached tokens
+
+
+@dataclass
+class FlashDecode:
+    """Inputs of the one flash_attn_with_kvcache call that serves every decode sequence."""
+
+    rows: torch.Tensor  # int64 [B] query rows
+    slots: torch.Tensor  # int32 [B] cache_batch_idx
+    cache_seqlens: torch.Tensor  # int32 [B] tokens cached before this step
+
+
+@dataclass
+class DenseSlotPlan:
+    """Everything a layer's attend() needs, built once per step."""
+
+    batch: StepBatch
+    write_slot: torch.Tensor  # int64 [T]: slot of every new token
+    write_pos: torch.Tensor  # int64 [T]: position of every new token
+    groups: list[DecodeGroup]
+    singles: list[SingleSeq]
+    flash_decode: FlashDecode | None = None  # set on the flash-attn path instead of groups
+    use_flash: bool = False
+
+
+def plan_step(
+    batch: StepBatch,
+    slots: list[int],
+    readable: list[int],
+    device: torch.device,
+    max_padding: float = DEFAULT_MAX_PADDING,
+    use_flash: bool = False,
+) -> DenseSlotPlan:
+    """Group the step's sequences for attention. readable[i]: tokens backed in slots[i]."""
+    steps = batch.steps
+    if len(slots) != len(steps) or len(readable) != len(steps):
+        raise ValueError("need one slot and one readable length per sequence of the batch")
+    write_slot: list[int] = []
+    write_pos: list[int] = []
+    for s, slot in zip(steps, slots, strict=True):
+        write_slot += [slot] * s.num_new
+        write_pos += range(s.num_cached, s.context_len)
+    starts = batch.query_start.tolist()
+    write = torch.tensor([write_slot, write_pos], device=device)
+    plan = DenseSlotPlan(batch, write[0], write[1], [], [], use_flash=use_flash)
+    decodes = [i for i, s in enumerate(steps) if s.num_new == 1]
+    prefills = [i for i, s in enumerate(steps) if s.num_new > 1]
+    if use_flash:
+        if decodes:
+            plan.flash_decode = FlashDecode(
+                rows=torch.tensor([starts[i] for i in decodes], dtype=torch.int64, device=device),
+                slots=torch.tensor([slots[i] for i in decodes], dtype=torch.int32, device=device),
+                cache_seqlens=torch.tensor([steps[i].num_cached for i in decodes], dtype=torch.int32,
+                                           device=device),
+            )
+    else:
+        entries = [(slots[i], steps[i].context_len, readable[i]) for i in decodes]
+        for members in group_decodes(entries, max_padding):
+            _add_group(plan, [decodes[j] for j in members], slots, steps, starts, device)
+    for i in prefills:
+        s = steps[i]
+        mask = None
+        if s.num_cached and not use_flash:  # bottom-right causal: query j sees keys 0..num_cached+j
+            pos = torch.arange(s.num_cached, s.context_len).unsqueeze(1)
+            mask = (torch.arange(s.context_len).unsqueeze(0) <= pos).to(device)
+        plan.singles.append(SingleSeq(starts[i], starts[i + 1], slots[i], s.context_len, mask))
+    return plan
+
+
+def group_decodes(entries: list[tuple[int, int, int]], max_padding: float) -> list[list[int]]:
+    """Greedy runs of consecutive slots whose padded reads stay backed and cheap enough.
+
+    entries[i] = (slot, context_len, readable); returns runs of indices into entries.
+    """
+    order = sorted(range(len(entries)), key=lambda i: entries[i][0])
+    groups: list[list[int]] = []
+    for i in order:
+        slot, length, _ = entries[i]
+        if groups:
+            members = [entries[j] for j in groups[-1]] + [entries[i]]
+            lmax = max(m[1] for m in members)
+            if (slot == members[-2][0] + 1 and lmax <= min(m[2] for m in members)
+                    and lmax * len(members) <= max_padding * sum(m[1] for m in members)):
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def _add_group(
+    plan: DenseSlotPlan, seqs: list[int], slots: list[int], steps: list[SeqStep], starts: list[int],
+    device: torch.device,
+) -> None:
+    """One batched call for a run of consecutive slots (or a single call for a lone sequence)."""
+    if len(seqs) == 1:
+        i = seqs[0]
+        plan.singles.append(SingleSeq(starts[i], starts[i] + 1, slots[i], steps[i].context_len, None))
+        return
+    lengths = torch.tensor([steps[i].context_len for i in seqs])
+    lmax = int(lengths.max())
+    mask = None
+    if int(lengths.min()) != lmax:
+        mask = (torch.arange(lmax).unsqueeze(0) < lengths.unsqueeze(1)).view(len(seqs), 1, 1, lmax).to(device)
+    rows = torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device)
+    plan.groups.append(DecodeGroup(rows, slots[seqs[0]], lmax, mask))
+
+
+def attend_dense(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: DenseSlotPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Write k/v [T, Hkv, D] into the slots, then attend q [T, Hq, D]; returns [T, Hq, D]."""
+    if plan.use_flash:
+        return _attend_flash(k_cache, v_cache, q, k, v, plan, scale)
+    k_cache[plan.write_slot, plan.write_pos] = k
+    v_cache[plan.write_slot, plan.write_pos] = v
+    num_kv = k_cache.shape[2]
+    group = q.shape[1] // num_kv
+    out = torch.empty_like(q)
+    for g in plan.groups:
+        m, lmax = g.num_slots, g.max_len
+        keys = k_cache[g.first_slot : g.first_slot + m, :lmax].transpose(1, 2)  # [m, Hkv, L, D] view
+        values = v_cache[g.first_slot : g.first_slot + m, :lmax].transpose(1, 2)
+        qg = q[g.rows].view(m, num_kv, group, -1)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, scale=scale)
+        out[g.rows] = o.reshape(m, num_kv * group, -1)
+    for s in plan.singles:  # 4-D inputs: CPU SDPA only takes its fused kernel for 4-D
+        keys = k_cache[s.slot, : s.context_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D] view
+        values = v_cache[s.slot, : s.context_len].transpose(0, 1).unsqueeze(0)
+        if s.row_end - s.row_start == 1:
+            qs = q[s.row_start].view(1, num_kv, group, -1)
+            o = F.scaled_dot_product_attention(qs, keys, values, scale=scale)
+            out[s.row_start] = o.reshape(num_kv * group, -1)
+        else:
+            qs = q[s.row_start : s.row_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            o = F.scaled_dot_product_attention(
+                qs, keys, values, attn_mask=s.causal_mask, is_causal=s.causal_mask is None,
+                scale=scale, enable_gqa=True,
+            )
+            out[s.row_start : s.row_end] = o[0].transpose(0, 1)
+    return out
+
+
+def _attend_flash(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: DenseSlotPlan,
+    scale: float,
+) -> torch.Tensor:
+    """flash_attn_with_kvcache appends the new K/V itself (at cache_seqlens) and attends."""
+    from flash_attn import flash_attn_with_kvcache
+
+    out = torch.empty_like(q)
+    fd = plan.flash_decode
+    if fd is not None:
+        o = flash_attn_with_kvcache(
+            q[fd.rows].unsqueeze(1), k_cache, v_cache, k=k[fd.rows].unsqueeze(1), v=v[fd.rows].unsqueeze(1),
+            cache_seqlens=fd.cache_seqlens, cache_batch_idx=fd.slots, softmax_scale=scale, causal=True,
+        )
+        out[fd.rows] = o.squeeze(1)
+    for s in plan.singles:
+        rows = slice(s.row_start, s.row_end)
+        n = s.row_end - s.row_start
+        o = flash_attn_with_kvcache(
+            q[rows].unsqueeze(0), k_cache, v_cache, k=k[rows].unsqueeze(0), v=v[rows].unsqueeze(0),
+            cache_seqlens=torch.tensor([s.context_len - n], dtype=torch.int32, device=q.device),
+            cache_batch_idx=torch.tensor([s.slot], dtype=torch.int32, device=q.device),
+            softmax_scale=scale, causal=True,
+        )
+        out[rows] = o.squeeze(0)
+    return out
+
+
+def check_attend_args(
+    shape: KVShape, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object
+) -> None:
+    """Precise errors for a wrong attend() call, before anything is written."""
+    if not isinstance(plan, DenseSlotPlan):
+        raise TypeError(f"plan must come from this cache's prepare(), got {type(plan).__name__}")
+    if not 0 <= layer < shape.num_layers:
+        raise IndexError(f"layer {layer} is outside [0, {shape.num_layers})")
+    tokens = plan.batch.num_tokens
+    kv_shape = (tokens, shape.num_kv_heads, shape.head_dim)
+    if k.shape != kv_shape or v.shape != kv_shape:
+        raise ValueError(f"k and v must be {list(kv_shape)}, got {list(k.shape)} and {list(v.shape)}")
+    heads_ok = q.dim() == 3 and q.shape[1] > 0 and q.shape[1] % shape.num_kv_heads == 0
+    if not heads_ok or q.shape[0] != tokens or q.shape[2] != shape.head_dim:
+        raise ValueError(f"q must be [{tokens}, a multiple of {shape.num_kv_heads} heads, {shape.head_dim}], "
+                         f"got {list(q.shape)}")
+    if k.dtype != shape.dtype or v.dtype != shape.dtype or q.dtype != shape.dtype:
+        raise TypeError(f"q, k and v must be {shape.dtype}, got {q.dtype}, {k.dtype}, {v.dtype}")

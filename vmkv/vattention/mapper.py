@@ -1,0 +1,66 @@
+"""The background mapping thread: maps pages for the next step while this one computes.
+
+Jobs carry the slot's generation at request time. The work function runs every state
+change under the cache's lock and drops a job whose slot was freed or reassigned since,
+so a late job can never map into a slot that now belongs to someone else.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MapJob:
+    slot: int
+    generation: int
+    target_tokens: int
+    group_pad: bool = False  # surplus pages that let the slot join a batched decode call
+
+
+class BackgroundMapper:
+    """One daemon thread draining a queue of MapJobs into `work`."""
+
+    def __init__(self, work: Callable[[MapJob], None]) -> None:
+        self._work = work
+        self._jobs: queue.Queue[MapJob | None] = queue.Queue()
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name="vattention-mapper", daemon=True)
+        self._thread.start()
+
+    def submit(self, jobs: list[MapJob]) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("the background mapper is stopped")
+        for job in jobs:
+            self._jobs.put(job)
+
+    def wait_idle(self) -> None:
+        """Block until every submitted job ran (tests and benchmarks use it)."""
+        self._jobs.join()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish queued jobs, then stop the thread. Idempotent."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError("the background mapper did not stop")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                self._work(job)
+            except Exception as e:  # mapping ahead is best effort; the step maps what it needs itself
+                self.errors.append(e)
+            finally:
+                self._jobs.task_done()

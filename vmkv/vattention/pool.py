@@ -1,0 +1,77 @@
+"""Physical pages handed out in page sets: one page per column of every K/V tensor.
+
+A slot always grows in every tensor at once, so the cache allocates, shares and frees
+whole sets. Unit u of set j is physical page pages[u * num_sets + j]: a slot holding
+consecutive set ids holds physically consecutive pages in each column, which the driver
+maps in one call and the host kernel keeps as one mapping (VMA). vm.max_map_count
+(65,530) would otherwise cap how many pages can be mapped at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class PageSetPool:
+    """Free page sets as a bitmap, so allocation can continue a slot's physical run."""
+
+    def __init__(self, pages: Sequence[int], units: int) -> None:
+        self.units = units
+        self.num_sets = len(pages) // units
+        if self.num_sets < 1:
+            raise ValueError(f"{len(pages)} pages make no page set of {units} pages")
+        self._pages = sorted(pages)[: self.num_sets * units]
+        self._free = np.ones(self.num_sets, dtype=bool)
+        self._free_count = self.num_sets
+        self.refcount = [0] * self.num_sets
+
+    @property
+    def free_count(self) -> int:
+        return self._free_count
+
+    def physical(self, set_id: int, unit: int) -> int:
+        return self._pages[unit * self.num_sets + set_id]
+
+    def take(self, n: int, prefer: int | None) -> list[int]:
+        """n free sets, each the first free one at or after its predecessor (wrapping).
+
+        prefer: where the first should go (the set after a slot's last one); None for a
+        slot with no pages, which starts in the middle of the largest free run so that
+        the runs of growing slots spread out instead of colliding.
+        """
+        if n > self._free_count:
+            raise ValueError(f"{n} page sets requested, {self._free_count} free")
+        out = []
+        want = self._middle_of_largest_run() if prefer is None else prefer % self.num_sets
+        for _ in range(n):
+            if not self._free[want]:
+                after = self._free[want:]
+                i = int(after.argmax())
+                want = want + i if after[i] else int(self._free.argmax())
+            self._free[want] = False
+            self.refcount[want] = 1
+            out.append(want)
+            want = (want + 1) % self.num_sets
+        self._free_count -= n
+        return out
+
+    def _middle_of_largest_run(self) -> int:
+        edges = np.diff(np.concatenate(([0], self._free.view(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        if not len(starts):
+            return 0
+        i = int((ends - starts).argmax())
+        return int(starts[i] + ends[i]) // 2 if starts[i] else 0  # a run at the very start begins at 0
+
+    def share(self, set_id: int) -> None:
+        """One more slot maps this set (fork)."""
+        self.refcount[set_id] += 1
+
+    def release(self, set_id: int) -> None:
+        """One slot stopped mapping this set; the last one returns it to the free list."""
+        self.refcount[set_id] -= 1
+        if self.refcount[set_id] == 0:
+            self._free[set_id] = True
+            self._free_count += 1
