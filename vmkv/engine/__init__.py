@@ -1,1 +1,26 @@
-"""The serving engine: scheduler, model runner, sampler, and the LLM front door."""
+"""The serving engine: scheduler, model runner, sampler, and the LLM front doors."""
+
+from vmkv.engine.async_engine import AsyncLLM, EngineDead
+from vmkv.engine.config import EngineConfig
+from vmkv.engine.errors import RequestRejected
+from vmkv.engine.llm import LLM
+from vmkv.engine.llm_engine import EngineStats, LLMEngine
+from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vmkv.engine.sampling_params import SamplingParams
+from vmkv.engine.sequence import FinishReason, RequestStatus
+
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineDead",
+    "EngineStats",
+    "FinishReason",
+    "LLMEngine",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestRejected",
+    "RequestStatus",
+    "SamplingParams",
+]

@@ -1,0 +1,295 @@
+"""Engine benchmark and correctness oracle.
+
+throughput: N requests of P random prompt tokens and O output tokens (ignore_eos), all
+submitted at once, in every kv mode and in transformers' own continuous batching
+(`generate_batch`, attention "paged|sdpa") on the same requests, modes interleaved over
+rounds. Reports output tokens/s, KV bytes reserved / peak allocated / peak used, the peak
+number of running sequences and preemptions.
+
+oracle: greedy decoding of the 16 chat prompts, batched, in every kv mode (with and
+without forced preemption) against transformers' generate(), in float32 (identical up to
+near-ties) and bfloat16 (share of prompts agreeing over the first 32 tokens).
+
+    python benchmarks/bench_engine.py throughput [--requests 64 --prompt-len 256 --output-len 128]
+    python benchmarks/bench_engine.py oracle
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from vmkv.engine import EngineConfig, LLMEngine, SamplingParams
+from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
+from vmkv.kv_cache import KVMemory
+from vmkv.model.store import load_model, load_tokenizer, resolve_model
+
+MODES = ("vattention", "paged", "contiguous")
+MIB = 1 << 20
+
+
+@dataclass
+class Run:
+    target: str
+    seconds: float
+    output_tokens: int
+    steps: int = 0
+    peak_running: int = 0
+    preemptions: int = 0
+    reserved: int = 0
+    peak_allocated: int = 0
+    peak_used: int = 0
+    ttft_median: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> Run:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    preempted_before = engine.scheduler.num_preemptions
+    engine.peak_running_seqs = 0
+    peak = KVMemory(0, 0, 0)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    first_tokens, tokens, steps = [], 0, 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps += 1
+        memory = engine.cache.memory()
+        peak = KVMemory(
+            memory.reserved_bytes,
+            max(peak.allocated_bytes, memory.allocated_bytes),
+            max(peak.used_bytes, memory.used_bytes),
+        )
+        for out in outputs:
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+                first_tokens.append(out.metrics.first_token_time - out.metrics.arrival_time)
+    seconds = time.perf_counter() - start
+    return Run(
+        target=engine.config.kv_mode,
+        seconds=seconds,
+        output_tokens=tokens,
+        steps=steps,
+        peak_running=engine.peak_running_seqs,
+        preemptions=engine.scheduler.num_preemptions - preempted_before,
+        reserved=peak.reserved_bytes,
+        peak_allocated=peak.allocated_bytes,
+        peak_used=peak.used_bytes,
+        ttft_median=statistics.median(first_tokens),
+    )
+
+
+def run_transformers(
+    model: torch.nn.Module, prompts: list[list[int]], output_len: int, config: EngineConfig
+) -> Run:
+    """transformers' continuous batching under the same KV budget and batch limits."""
+    bytes_per_token = kv_bytes_per_token(config.model, config.dtype)
+    page_tokens = 256
+    generation = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    batching = ContinuousBatchingConfig(
+        page_size=page_tokens,
+        num_blocks=config.kv_budget_bytes // (page_tokens * bytes_per_token),
+        max_batch_tokens=config.max_num_batched_tokens,
+        max_requests_per_batch=config.max_num_seqs,
+    )
+    start = time.perf_counter()
+    results = model.generate_batch(
+        inputs=prompts, generation_config=generation, continuous_batching_config=batching, warmup=False
+    )
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.generated_tokens) for r in results.values())
+    return Run("transformers", seconds, tokens, reserved=batching.num_blocks * page_tokens * bytes_per_token)
+
+
+def throughput(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    path = str(resolve_model(args.model))
+    base = {
+        "model": path,
+        "dtype": args.dtype,
+        "kv_budget_bytes": args.kv_budget_mib * MIB,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "preemption_mode": args.preemption_mode,
+    }
+    engines = {mode: LLMEngine(EngineConfig(kv_mode=mode, **base)) for mode in args.modes}
+    vocab = next(iter(engines.values())).runner.vocab_size
+    prompts = random_prompts(args.requests, args.prompt_len, vocab)
+    hf_model = (
+        None
+        if args.skip_transformers
+        else load_model(path, dtype=EngineConfig(**base).torch_dtype, attn_implementation="paged|sdpa")
+    )
+    for engine in engines.values():  # warm up allocators and kernels outside the timed runs
+        run_engine(engine, prompts[:2], 2, "warm")
+    runs: list[Run] = []
+    for r in range(args.rounds):
+        for engine in engines.values():
+            runs.append(run_engine(engine, prompts, args.output_len, f"r{r}"))
+            print(_line(runs[-1]), flush=True)
+        if hf_model is not None:
+            runs.append(run_transformers(hf_model, prompts, args.output_len, EngineConfig(**base)))
+            print(_line(runs[-1]), flush=True)
+    print(
+        f"\n{args.requests} requests x {args.prompt_len} prompt / {args.output_len} output tokens, "
+        f"{args.dtype}, KV budget {args.kv_budget_mib} MiB, max_model_len {args.max_model_len}, "
+        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+        f"{torch.get_num_threads()} threads, best of {args.rounds} round(s):"
+    )
+    best: dict[str, Run] = {}
+    for run in runs:
+        if run.target not in best or run.tokens_per_s > best[run.target].tokens_per_s:
+            best[run.target] = run
+    reference = best.get("transformers")
+    for run in best.values():
+        ratio = f"  {run.tokens_per_s / reference.tokens_per_s:.1f}x transformers" if reference else ""
+        print(_line(run) + ratio)
+    for engine in engines.values():
+        engine.close()
+
+
+def _line(run: Run) -> str:
+    kv = (
+        f"KV reserved {run.reserved / MIB:7.1f} MiB peak allocated {run.peak_allocated / MIB:6.1f} "
+        f"peak used {run.peak_used / MIB:6.1f} MiB  peak running {run.peak_running:3d}  "
+        f"preemptions {run.preemptions:3d}  steps {run.steps:4d}  median TTFT {run.ttft_median:5.1f} s"
+        if run.target != "transformers"
+        else f"KV reserved {run.reserved / MIB:7.1f} MiB"
+    )
+    return f"{run.target:12s} {run.tokens_per_s:7.1f} output tok/s ({run.seconds:6.1f} s)  {kv}"
+
+
+def oracle(args: argparse.Namespace) -> None:
+    path = str(resolve_model(args.model))
+    prompts = chat_prompt_ids(load_tokenizer(path), CHAT_PROMPTS[: args.prompts])
+    print(
+        f"{len(prompts)} chat prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
+        f"{args.max_tokens} new tokens, greedy"
+    )
+    ok = True
+    for dtype in ("float32", "bfloat16"):
+        reference = reference_greedy(path, prompts, args.max_tokens, EngineConfig(dtype=dtype).torch_dtype)
+        # The small budget holds a few sequences' worth of tokens: the 16 prompts grow into it and
+        # preempt each other (4 KiB vattention pages, so its page sets are that small too).
+        small = args.small_budget_tokens * kv_bytes_per_token(path, dtype)
+        for mode in args.modes:
+            for budget_name, budget, preemption in (
+                ("ample", 256 * MIB, "recompute"),
+                ("small/recompute", small, "recompute"),
+                ("small/swap", small, "swap"),
+            ):
+                engine = LLMEngine(
+                    EngineConfig(
+                        model=path,
+                        kv_mode=mode,
+                        dtype=dtype,
+                        kv_budget_bytes=budget,
+                        max_model_len=args.max_model_len,
+                        max_num_seqs=16,
+                        max_num_batched_tokens=128,
+                        preemption_mode=preemption,
+                        page_size=4096,
+                    )
+                )
+                outputs = run_greedy(engine, prompts, args.max_tokens)
+                stats = engine.stats()
+                engine.close()
+                if dtype == "float32":
+                    report = compare(reference, outputs)
+                    ok &= report.passed
+                    ties = [(d.prompt, d.step, f"{d.margin:.1e}") for d in report.near_ties]
+                    print(
+                        f"fp32 {mode:10s} {budget_name:16s} identical {report.identical:2d}/{len(prompts)} "
+                        f"near-ties {len(report.near_ties)} {ties} mismatches {len(report.mismatches)} "
+                        f"{report.mismatches}  preemptions {stats.num_preemptions} "
+                        f"peak running {stats.peak_running_seqs}"
+                    )
+                else:
+                    report = compare(reference, outputs, first=32)
+                    share = report.identical / len(prompts)
+                    ok &= share >= 0.95
+                    diverged = [
+                        (d.prompt, d.step, f"{d.margin:.2f}") for d in report.near_ties + report.mismatches
+                    ]
+                    print(
+                        f"bf16 {mode:10s} {budget_name:16s} agree over the first 32 tokens: "
+                        f"{report.identical:2d}/{len(prompts)} ({share:.0%}); divergences (prompt, step, "
+                        f"reference margin) {diverged}  preemptions {stats.num_preemptions}"
+                    )
+    print("PASS" if ok else "FAIL")
+    if not ok:
+        sys.exit(1)
+
+
+def kv_bytes_per_token(path: str, dtype: str) -> int:
+    hf = AutoConfig.from_pretrained(path, local_files_only=True)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return (
+        2
+        * hf.num_hidden_layers
+        * hf.num_key_value_heads
+        * head_dim
+        * EngineConfig(dtype=dtype).torch_dtype.itemsize
+    )
+
+
+def run_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("throughput")
+    t.add_argument("--requests", type=int, default=64)
+    t.add_argument("--prompt-len", type=int, default=256)
+    t.add_argument("--output-len", type=int, default=128)
+    t.add_argument("--dtype", default="bfloat16")
+    t.add_argument("--kv-budget-mib", type=int, default=1024)
+    t.add_argument("--max-model-len", type=int, default=2048)
+    t.add_argument("--max-num-seqs", type=int, default=64)
+    t.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    t.add_argument("--preemption-mode", default="recompute")
+    t.add_argument("--rounds", type=int, default=1)
+    t.add_argument("--skip-transformers", action="store_true")
+    o = sub.add_parser("oracle")
+    o.add_argument("--prompts", type=int, default=16)
+    o.add_argument("--max-tokens", type=int, default=64)
+    o.add_argument("--max-model-len", type=int, default=256)
+    o.add_argument("--small-budget-tokens", type=int, default=640)
+    args = parser.parse_args()
+    throughput(args) if args.command == "throughput" else oracle(args)
+
+
+if __name__ == "__main__":
+    main()

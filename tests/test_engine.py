@@ -1,0 +1,228 @@
+"""The engine end to end on the tiny model: every kv mode against transformers, sampling,
+stopping, rejection, abort, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from vmkv.engine import LLM, AsyncLLM, RequestRejected, SamplingParams
+from vmkv.engine.detokenizer import IncrementalDetokenizer
+from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
+from vmkv.model.store import load_tokenizer
+
+MAX_TOKENS = 24
+# Tiny model, fp32: 512 B of KV per token. 96 KiB holds 192 tokens, far less than the 8 prompts
+# need together, so vattention (4 KiB pages) and paged (16-token blocks) must preempt.
+SMALL_BUDGET = 96 * 1024
+
+
+def make_llm(model_dir: Path, kv_mode: str = "paged", **kwargs: object) -> LLM:
+    options = {
+        "kv_mode": kv_mode,
+        "dtype": "float32",
+        "kv_budget_bytes": 1 << 22,
+        "max_model_len": 128,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "page_size": 4096,
+    }
+    return LLM(str(model_dir), **(options | kwargs))
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir: Path) -> list[list[int]]:
+    return chat_prompt_ids(load_tokenizer(tiny_model_dir), CHAT_PROMPTS[:8])
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path, prompts: list[list[int]]):  # noqa: ANN201
+    return reference_greedy(tiny_model_dir, prompts, MAX_TOKENS, torch.float32)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("kv_mode", ["vattention", "paged", "contiguous"])
+def test_greedy_matches_transformers_under_preemption_and_chunking(
+    tiny_model_dir: Path, prompts: list[list[int]], reference, kv_mode: str, preemption_mode: str
+) -> None:
+    llm = make_llm(
+        tiny_model_dir,
+        kv_mode,
+        kv_budget_bytes=SMALL_BUDGET if kv_mode != "contiguous" else 1 << 17,
+        preemption_mode=preemption_mode,
+        max_num_batched_tokens=32,  # shorter than most prompts: prefill is chunked
+    )
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    stats = llm.engine.stats()
+    llm.close()
+    report = compare(reference, [o.outputs[0].token_ids for o in outputs])
+    assert report.passed, report.mismatches
+    assert report.identical == len(prompts)  # the tiny model has clear winners: not even near-ties
+    assert max(len(p) for p in prompts) > 32
+    if kv_mode == "contiguous":
+        assert stats.peak_running_seqs == 2  # two max_len slots, reserved up front
+    else:
+        assert stats.num_preemptions > 0
+    assert stats.memory.used_bytes == 0 and stats.num_running_seqs == 0  # everything freed
+
+
+def test_outputs_carry_text_and_reasons(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    llm = make_llm(tiny_model_dir)
+    tokenizer = llm.tokenizer
+    out = llm.generate("What is the capital of France?", SamplingParams(temperature=0.0, max_tokens=10))[0]
+    assert out.prompt == "What is the capital of France?"
+    assert out.prompt_token_ids == tokenizer("What is the capital of France?").input_ids
+    sample = out.outputs[0]
+    assert sample.finish_reason == "length" and len(sample.token_ids) == 10
+    assert sample.text == tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+    assert out.metrics.first_token_time >= out.metrics.arrival_time
+
+
+def test_stop_strings_are_trimmed_and_stop_tokens_kept(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    llm = make_llm(tiny_model_dir)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    base = llm.generate(prompts[0], greedy)[0].outputs[0]
+    stop = base.text[len(base.text) // 2 : len(base.text) // 2 + 3]
+    cut = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop]))[0]
+    sample = cut.outputs[0]
+    assert sample.text == base.text[: base.text.find(stop)]
+    assert (sample.finish_reason, sample.stop_reason) == ("stop", stop)
+
+    token = base.token_ids[4]
+    first = base.token_ids.index(token)
+    stopped = llm.generate(
+        prompts[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[token])
+    )[0].outputs[0]
+    assert stopped.token_ids == base.token_ids[: first + 1]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", token)
+
+
+def test_eos_stops_unless_ignored(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    llm = make_llm(tiny_model_dir)
+    base = llm.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0].outputs[0]
+    llm.engine.eos_token_ids = frozenset({base.token_ids[3]})  # pretend the model emits its end token there
+    stopped = llm.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0].outputs[0]
+    assert (
+        stopped.finish_reason == "stop"
+        and stopped.token_ids == base.token_ids[: base.token_ids.index(base.token_ids[3]) + 1]
+    )
+    ignored = llm.generate(
+        prompts[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
+    assert ignored[0].outputs[0].token_ids == base.token_ids
+
+
+@pytest.mark.parametrize("kv_mode", ["vattention", "paged", "contiguous"])
+def test_parallel_samples_share_one_prefill_and_seeds_reproduce(
+    tiny_model_dir: Path, prompts: list[list[int]], kv_mode: str
+) -> None:
+    params = SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    llm = make_llm(tiny_model_dir, kv_mode)
+    first = llm.generate(prompts[2], params)[0]
+    assert llm.engine.stats().prompt_tokens == len(prompts[2])  # prefilled once, then forked
+    # the same seed gives the same samples, whatever else shares the batch
+    again = llm.generate(
+        [prompts[5], prompts[2], prompts[2]], [SamplingParams(max_tokens=12), params, params]
+    )
+    llm.close()
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    tokens = [o.token_ids for o in first.outputs]
+    assert all(len(t) == 12 for t in tokens) and len({tuple(t) for t in tokens}) > 1
+    assert [o.token_ids for o in again[1].outputs] == tokens
+    assert [o.token_ids for o in again[2].outputs] == tokens
+
+
+def test_logprobs_are_the_model_distribution(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    llm = make_llm(tiny_model_dir)
+    out = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=6, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 6
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert len(entry) == 3 and token in entry
+        assert max(entry, key=entry.get) == token  # greedy picks the most likely
+        assert all(v <= 0 for v in entry.values())
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t] for t, e in zip(out.token_ids, out.logprobs, strict=True))
+    )
+
+
+def test_impossible_requests_are_rejected_before_anything_runs(tiny_model_dir: Path) -> None:
+    llm = make_llm(tiny_model_dir, kv_budget_bytes=SMALL_BUDGET)
+    cases = [
+        ([5] * 100, SamplingParams(max_tokens=29)),  # 129 tokens > max_model_len 128
+        ([5] * 100, SamplingParams(max_tokens=20, n=2)),  # 240 tokens > the cache's 192
+        ([5, 10**6], SamplingParams()),  # not a token id
+        ([], SamplingParams()),
+    ]
+    for prompt, params in cases:
+        with pytest.raises(RequestRejected):
+            llm.generate([prompt, [5, 6, 7]], params)
+        assert not llm.engine.has_unfinished_requests()
+    assert issubclass(RequestRejected, ValueError)
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1.0)
+
+
+def test_abort_frees_the_request(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    llm = make_llm(tiny_model_dir)
+    engine = llm.engine
+    engine.add_request("a", prompts[0], SamplingParams(temperature=0.0, max_tokens=20))
+    engine.add_request("b", prompts[1], SamplingParams(temperature=0.0, max_tokens=20))
+    engine.step()
+    engine.step()
+    aborted = engine.abort_request("a")
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert engine.abort_request("a") is None
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["b"] and finished[0].outputs[0].finish_reason == "length"
+    assert engine.cache.memory().allocated_bytes == 0
+
+
+def test_detokenizer_waits_for_whole_characters(tiny_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    text = "Größe: 中文字 🙂 ok"
+    ids = tokenizer(text).input_ids
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True)
+    deltas = [detok.step(ids[: i + 1]) for i in range(len(ids))]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+    assert any(d == "" for d in deltas)  # some byte tokens had to wait for the rest of their character
+
+
+def test_async_streams_tokens_and_aborts_on_early_exit(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    engine = AsyncLLM(model=str(tiny_model_dir), dtype="float32", kv_budget_bytes=1 << 22, max_model_len=128)
+
+    async def main() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        seen = []
+        async for out in engine.generate(prompts[0], params):
+            seen.append(out.outputs[0])
+        assert [len(o.token_ids) for o in seen] == list(range(1, 9))
+        assert all(b.text.startswith(a.text) for a, b in zip(seen, seen[1:], strict=False))
+        assert seen[-1].finish_reason == "length"
+
+        stream = engine.generate(prompts[1], SamplingParams(max_tokens=100), request_id="early")
+        async for _ in stream:
+            break
+        await stream.aclose()
+        with pytest.raises(RequestRejected):
+            async for _ in engine.generate([1] * 200, params):
+                pass
+        for _ in range(100):
+            if not engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().num_running == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

@@ -1,0 +1,165 @@
+"""`AsyncLLM`: the streaming interface a server uses, with the engine stepping on its own thread.
+
+Requests and aborts reach the engine thread through a queue; outputs come back to each
+request's asyncio queue through its event loop. Only the engine thread touches the
+engine, so the engine itself needs no locks. Leaving a stream early aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from vmkv.engine.config import EngineConfig
+from vmkv.engine.errors import RequestRejected
+from vmkv.engine.llm_engine import EngineStats, LLMEngine
+from vmkv.engine.outputs import RequestOutput
+from vmkv.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The engine thread has stopped (shutdown); no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: object) -> None:
+        self.engine = LLMEngine(config or EngineConfig(**kwargs))
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._stats = self.engine.stats()  # refreshed by the engine thread; never half a step
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="vmkv-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------ requests
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after every step that advanced it, until finished.
+
+        Raises RequestRejected on the first iteration if the request can never run. Closing
+        the iterator early (client gone, cancellation) aborts the request and frees its KV.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        stream = self._open_stream(request_id, prompt, params or SamplingParams())
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def _open_stream(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> _Stream:
+        """Validate in the caller's thread (raises RequestRejected), then queue the request."""
+        if self._stopping:
+            raise EngineDead("the engine has been shut down")
+        text, prompt_ids = self.engine.validate(prompt, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise RequestRejected(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, prompt if text is None else text, params))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its stream (if still read) gets a final output with finish_reason abort."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        """The engine's state after its latest step (read without waiting for a running step)."""
+        return self._stats
+
+    def shutdown(self) -> None:
+        """Stop the engine thread, fail what is still streaming, and free the KV cache."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        with self._streams_lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            self._put(stream, EngineDead("the engine has been shut down"))
+        self.engine.close()
+
+    # --------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._stats = self.engine.stats()
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # keep serving: fail the requests in flight, not the server
+                logger.exception("engine step failed")
+                outputs = self.engine.fail_all(f"engine step failed: {exc!r}")
+            self._stats = self.engine.stats()
+            for out in outputs:
+                self._deliver(out)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "add":
+                _, request_id, prompt, params = message
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except RequestRejected as exc:
+                    self._deliver_error(request_id, exc)
+            else:
+                out = self.engine.abort_request(message[1])
+                if out is not None:
+                    self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(out.request_id)
+        if stream is not None:
+            self._put(stream, out)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            self._put(stream, exc)
+
+    @staticmethod
+    def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -1,0 +1,67 @@
+"""Engine configuration: one dataclass, validated once, shared by every part of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_MODES = ("vattention", "paged", "contiguous")
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """What the engine serves and under which limits.
+
+    kv_budget_bytes bounds the KV cache (the CPU analogue of a GPU memory fraction).
+    max_num_batched_tokens is the per-step token budget that chunks long prompts, so a
+    long prefill never stalls running decodes for more than one step's worth of tokens.
+    """
+
+    model: str = "SmolLM2-135M-Instruct"
+    kv_mode: str = "vattention"
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    kv_budget_bytes: int = 1 << 30
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    preemption_mode: str = "recompute"
+    block_size: int = 16  # paged layout only
+    page_size: int | None = None  # vattention layout only, in bytes; None: the layout's default
+    enable_prefix_caching: bool = True  # paged layout only
+    seed: int = 0  # for requests that give no seed of their own
+
+    def __post_init__(self) -> None:
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        for name in (
+            "kv_budget_bytes",
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.page_size is not None and (not isinstance(self.page_size, int) or self.page_size < 1):
+            raise ValueError(f"page_size must be a positive integer or None, got {self.page_size!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Decodes go first and take one token each: the budget must cover every running sequence.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs})"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

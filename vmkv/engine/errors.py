@@ -1,0 +1,8 @@
+"""Errors a caller can act on: a request the engine will never be able to serve."""
+
+from __future__ import annotations
+
+
+class RequestRejected(ValueError):
+    """Refused at admission: the request could never run (too long for max_model_len, larger
+    than the whole KV budget, or invalid input). Raised before the engine holds any state for it."""

@@ -1,0 +1,30 @@
+"""The one place the kv_mode flag matters: build the KV cache the engine drives."""
+
+from __future__ import annotations
+
+from vmkv.contiguous import ContiguousKVCache
+from vmkv.engine.config import EngineConfig
+from vmkv.kv_cache import KVCache, KVShape
+from vmkv.paging import PagedKVCache
+from vmkv.vattention import VAttentionKVCache
+
+
+def build_kv_cache(config: EngineConfig, shape: KVShape, model_id: str) -> KVCache:
+    """A cache of config.kv_budget_bytes holding sequences up to config.max_model_len tokens.
+
+    model_id keys the paged prefix cache, so blocks are never shared across models.
+    """
+    if config.kv_mode == "vattention":
+        options = {} if config.page_size is None else {"page_size": config.page_size}
+        return VAttentionKVCache(shape, config.max_model_len, config.kv_budget_bytes, config.device, **options)
+    if config.kv_mode == "paged":
+        return PagedKVCache(
+            shape,
+            config.max_model_len,
+            config.kv_budget_bytes,
+            block_size=config.block_size,
+            device=config.device,
+            enable_prefix_caching=config.enable_prefix_caching,
+            model_id=model_id,
+        )
+    return ContiguousKVCache(shape, config.max_model_len, config.kv_budget_bytes, config.device)

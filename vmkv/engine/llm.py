@@ -1,0 +1,74 @@
+"""`LLM`: the offline front door. Submit every prompt, run the engine until all finish."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vmkv.engine.config import EngineConfig
+from vmkv.engine.llm_engine import LLMEngine
+from vmkv.engine.outputs import RequestOutput
+from vmkv.engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """LLM(model=..., kv_mode="vattention" | "paged" | "contiguous", **EngineConfig fields)."""
+
+    def __init__(self, model: str = EngineConfig.model, **kwargs: object) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._next_id = 0
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list (text, or token ids); outputs come in prompt order.
+
+        Every request is validated before any runs, so a rejected one (RequestRejected)
+        leaves the engine untouched.
+        """
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A str or a flat list of ints is one prompt; anything else is a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    if not prompts:
+        raise ValueError("no prompts given")
+    return prompts

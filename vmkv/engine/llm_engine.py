@@ -1,0 +1,313 @@
+"""The step loop: schedule -> run the model -> sample -> update sequences -> report outputs.
+
+One LLMEngine owns one model, one KV cache (the kv_mode's layout) and one scheduler. It
+is single-threaded by design: `LLM` drives it to completion, `AsyncLLM` drives it from a
+background thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+
+import torch
+
+from vmkv.engine.config import EngineConfig
+from vmkv.engine.detokenizer import IncrementalDetokenizer
+from vmkv.engine.errors import RequestRejected
+from vmkv.engine.kv_factory import build_kv_cache
+from vmkv.engine.model_runner import ModelRunner
+from vmkv.engine.outputs import RequestMetrics, RequestOutput
+from vmkv.engine.sampler import Sampler, SampleRow
+from vmkv.engine.sampling_params import SamplingParams
+from vmkv.engine.scheduler import ScheduledSeq, Scheduler
+from vmkv.engine.sequence import FinishReason, Sequence, SequenceGroup
+from vmkv.kv_cache import KVMemory
+from vmkv.model.store import load_tokenizer, resolve_model
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics endpoints and benchmarks."""
+
+    num_running: int  # requests
+    num_waiting: int  # requests never started or preempted by recompute
+    num_swapped: int
+    num_running_seqs: int
+    peak_running_seqs: int
+    kv_usage: float
+    num_preemptions: int
+    num_steps: int
+    prompt_tokens: int  # prompt tokens computed (recomputation included)
+    generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    memory: KVMemory
+    layout_counters: dict[str, float]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.runner = ModelRunner(config, str(self.model_path))
+        limit = self.runner.max_position_embeddings
+        if limit is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
+        self.cache = build_kv_cache(config, self.runner.kv_shape, str(self.model_path))
+        self.capacity_tokens = self.cache.free_capacity()
+        self.scheduler = Scheduler(config, self.cache)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = _eos_token_ids(self.runner.model, self.tokenizer)
+        self._groups: dict[str, SequenceGroup] = {}
+        self._group_of: dict[int, SequenceGroup] = {}  # seq_id -> its request
+        self._next_seq_id = 0
+        self._next_arrival = 0
+        self.num_steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.peak_running_seqs = 0
+
+    # ------------------------------------------------------------ requests
+    def add_request(
+        self, request_id: str, prompt: str | SequenceABC[int], params: SamplingParams | None = None
+    ) -> SequenceGroup:
+        """Queue a request; raises RequestRejected if it could never be served."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        text, prompt_ids = self.validate(prompt, params)
+        group = SequenceGroup(
+            request_id=request_id,
+            arrival=self._next_arrival,
+            prompt=text,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            seqs=[],
+            metrics=RequestMetrics(arrival_time=time.monotonic()),
+        )
+        self._next_arrival += 1
+        self._new_seq(group, list(prompt_ids), index=0)
+        self._groups[request_id] = group
+        self.scheduler.add(group)
+        return group
+
+    def validate(
+        self, prompt: str | SequenceABC[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Tokenize and check a request without touching engine state (safe from any thread);
+        returns (prompt text or None, prompt token ids) or raises RequestRejected."""
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected(f"expected SamplingParams, got {type(params).__name__}")
+        text, prompt_ids = self._tokenize(prompt)
+        self._check_fits(len(prompt_ids), params)
+        return text, prompt_ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV; returns its final output, None if it is not live."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        self.scheduler.finish(group, FinishReason.ABORT)
+        return self._retire(group)
+
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """Finish every live request with FinishReason.ERROR (after a step raised)."""
+        outputs = []
+        for group in list(self._groups.values()):
+            group.error = reason
+            self.scheduler.finish(group, FinishReason.ERROR)
+            outputs.append(self._retire(group))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Advance every scheduled request by one step; returns the outputs of those that changed."""
+        sched = self.scheduler.schedule()
+        outputs = [self._retire(group) for group in sched.failed]
+        if not sched.scheduled:
+            return outputs
+        self.num_steps += 1
+        now = time.monotonic()
+        touched: dict[str, SequenceGroup] = {}
+        sampling: list[Sequence] = []
+        for item in sched.scheduled:
+            group = self._group_of[item.seq.seq_id]
+            touched[group.request_id] = group
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+            if item.samples:
+                sampling.append(item.seq)
+            if item.seq.num_computed < item.seq.prompt_len:
+                self.prompt_tokens += min(item.num_new, item.seq.prompt_len - item.seq.num_computed)
+
+        logits = self.runner.execute(self.cache, sched.scheduled)
+        _advance(sched.scheduled)
+        self.peak_running_seqs = max(self.peak_running_seqs, self.scheduler.num_running_seqs)
+
+        row_seqs, row_index = self._expand_forks(sampling)
+        groups = [self._group_of[s.seq_id] for s in row_seqs]
+        rows = [SampleRow(g.params, s.generator) for s, g in zip(row_seqs, groups, strict=True)]
+        if row_index != list(range(len(sampling))):
+            logits = logits[torch.tensor(row_index)]
+        result = self.sampler(logits, rows)
+        self.generation_tokens += len(row_seqs)
+        now = time.monotonic()
+        for seq, group, token, logprobs in zip(
+            row_seqs, groups, result.token_ids, result.logprobs, strict=True
+        ):
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            self._append_token(seq, group, token, logprobs)
+
+        for group in touched.values():
+            self.scheduler.release_finished(group)
+            outputs.append(self._retire(group) if group.finished else group.output())
+        return outputs
+
+    def stats(self) -> EngineStats:
+        counters = self.cache.counters()
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped),
+            num_running_seqs=self.scheduler.num_running_seqs,
+            peak_running_seqs=self.peak_running_seqs,
+            kv_usage=self.cache.usage(),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            prefix_cache_queries=int(counters.get("prefix_cache_queries", 0)),
+            prefix_cache_hits=int(counters.get("prefix_cache_hits", 0)),
+            memory=self.cache.memory(),
+            layout_counters=counters,
+        )
+
+    def close(self) -> None:
+        self.cache.close()
+
+    # ------------------------------------------------------------- helpers
+    def _tokenize(self, prompt: str | SequenceABC[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if not isinstance(prompt, SequenceABC):
+            raise RequestRejected(
+                f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}"
+            )
+        ids = list(prompt)
+        vocab = self.runner.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        if prompt_len == 0:
+            raise RequestRejected("the prompt is empty")
+        total = prompt_len + params.max_tokens
+        if total > self.config.max_model_len:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len {self.config.max_model_len}"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise RequestRejected(f"n={params.n} exceeds max_num_seqs {self.config.max_num_seqs}")
+        if params.n * total > self.capacity_tokens:
+            raise RequestRejected(
+                f"{params.n} x {total} tokens can never fit the KV cache, which holds {self.capacity_tokens}"
+            )
+
+    def _new_seq(self, group: SequenceGroup, token_ids: list[int], index: int) -> Sequence:
+        seed = group.params.seed
+        seq = Sequence(
+            seq_id=self._next_seq_id,
+            index=index,
+            token_ids=token_ids,
+            prompt_len=len(group.prompt_token_ids),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, group.prompt_token_ids, group.params.skip_special_tokens
+            ),
+            # each sample draws from its own stream, so its tokens do not depend on the batch
+            generator=None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + index),
+            logprobs=None if group.params.logprobs is None else [],
+        )
+        self._next_seq_id += 1
+        group.seqs.append(seq)
+        self._group_of[seq.seq_id] = group
+        return seq
+
+    def _expand_forks(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """A request with n > 1 that just finished its prompt gets n - 1 children here, each
+        sampling from the parent's logits row; the scheduler forks their KV before the next step."""
+        row_seqs, row_index = [], []
+        for i, seq in enumerate(sampling):
+            row_seqs.append(seq)
+            row_index.append(i)
+            group = self._group_of[seq.seq_id]
+            if len(group.seqs) < group.params.n and seq.num_output == 0:
+                for index in range(1, group.params.n):
+                    child = self._new_seq(group, list(seq.token_ids), index)
+                    child.num_computed = seq.num_computed
+                    child.fork_parent = seq
+                    row_seqs.append(child)
+                    row_index.append(i)
+        return row_seqs, row_index
+
+    def _append_token(
+        self, seq: Sequence, group: SequenceGroup, token: int, logprobs: dict[int, float] | None
+    ) -> None:
+        params = group.params
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
+        if not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+        elif seq.num_output >= params.max_tokens:
+            seq.finish_reason = FinishReason.LENGTH
+        delta = seq.detokenizer.step(seq.token_ids, final=seq.finished)
+        if not delta:
+            return
+        seq.text += delta
+        if params.stop:
+            self._check_stop_strings(seq, params.stop, len(delta))
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, stops: list[str], delta_len: int) -> None:
+        """Cut the text at the earliest stop string that the new text completed."""
+        found = -1
+        for stop in stops:
+            at = seq.text.find(stop, max(0, len(seq.text) - delta_len - len(stop) + 1))
+            if at != -1 and (found == -1 or at < found):
+                found, seq.stop_reason = at, stop
+        if found != -1:
+            seq.text = seq.text[:found]
+            seq.finish_reason = FinishReason.STOP
+
+    def _retire(self, group: SequenceGroup) -> RequestOutput:
+        group.metrics.finished_time = time.monotonic()
+        del self._groups[group.request_id]
+        for seq in group.seqs:
+            del self._group_of[seq.seq_id]
+        return group.output()
+
+
+def _advance(scheduled: list[ScheduledSeq]) -> None:
+    for item in scheduled:
+        item.seq.num_computed += item.num_new
+
+
+def _eos_token_ids(model: torch.nn.Module, tokenizer: object) -> frozenset[int]:
+    """End-of-sequence ids from the generation config (as transformers' generate stops) and tokenizer."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,115 @@
+"""Runs an unmodified transformers decoder over one packed (varlen) step.
+
+Every scheduled sequence's new tokens are concatenated into a single [1, T] batch with
+their true positions, so prefill chunks and decode tokens share one forward. The model's
+attention layers call `vmkv_attention` (registered with transformers' attention
+interface), which hands each layer's q/k/v to the KV cache together with the step's plan;
+the plan travels through a module-level context because the model code passes no
+engine state down. Logits are computed only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from vmkv.engine.config import EngineConfig
+from vmkv.engine.scheduler import ScheduledSeq
+from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
+from vmkv.model.store import load_model
+
+ATTENTION_NAME = "vmkv"
+
+
+@dataclass
+class _StepContext:
+    cache: KVCache | None = None
+    plan: object = None
+
+
+_step = _StepContext()
+
+
+def vmkv_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """query (1, Hq, T, D), key/value (1, Hkv, T, D), RoPE applied -> ((1, T, Hq, D), None).
+
+    The [T, H, D] views are free: q/k/v were produced as [1, T, H, D] and only transposed.
+    The cache copies k/v into its own storage, so they need not be contiguous.
+    """
+    if _step.cache is None:
+        raise RuntimeError("vmkv attention called outside an engine step")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = _step.cache.attend(
+        module.layer_idx,
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        _step.plan,
+        scale,
+    )
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, vmkv_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)  # causality lives in the cache
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        self.device = torch.device(config.device)
+        self.model = load_model(model_path, dtype=config.torch_dtype, attn_implementation=ATTENTION_NAME)
+        self.model.to(self.device)
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        hf = self.model.config
+        self.vocab_size = hf.vocab_size
+        self.kv_shape = KVShape(
+            num_layers=hf.num_hidden_layers,
+            num_kv_heads=hf.num_key_value_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            dtype=config.torch_dtype,
+        )
+        self.max_position_embeddings = getattr(hf, "max_position_embeddings", None)
+        self._positions = torch.arange(config.max_num_batched_tokens, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, cache: KVCache, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run one step; returns float32 logits [S, V] for the scheduled rows that sample, in order."""
+        steps = [SeqStep(s.seq.seq_id, s.seq.num_computed, s.num_new) for s in scheduled]
+        batch = StepBatch.build(steps, self.device)
+        num_tokens = int(batch.query_start[-1])
+        input_ids = torch.tensor(
+            list(
+                chain.from_iterable(
+                    s.seq.token_ids[s.seq.num_computed : s.seq.num_computed + s.num_new] for s in scheduled
+                )
+            ),
+            dtype=torch.long,
+            device=self.device,
+        )
+        # position of packed row r = r - (first row of its sequence) + (its sequence's num_cached)
+        offsets = torch.repeat_interleave(batch.num_cached - batch.query_start[:-1], batch.query_start.diff())
+        positions = self._positions[:num_tokens] + offsets
+
+        _step.cache, _step.plan = cache, cache.prepare(batch)
+        try:
+            hidden = self.decoder(
+                input_ids=input_ids[None], position_ids=positions[None], use_cache=False
+            ).last_hidden_state[0]
+        finally:
+            _step.cache, _step.plan = None, None
+        last_rows = [i for i, s in enumerate(scheduled) if s.samples]
+        rows = batch.query_start[1:][last_rows] - 1
+        return self.lm_head(hidden[rows]).float()

@@ -1,0 +1,49 @@
+"""What the engine hands back: one RequestOutput per request per step it advanced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """time.monotonic() stamps of a request's life, for latency metrics (None until reached)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """One of the request's n samples, cumulative so far.
+
+    logprobs[i] maps token id -> log-probability at output position i: the top-k requested
+    plus the sampled token. finish_reason is None while running, else stop/length/abort/error;
+    stop_reason is the stop string or stop token id that ended it, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
+    error: str | None = None  # why the request ended with finish_reason "error"

@@ -1,0 +1,259 @@
+"""Iteration-level FCFS continuous batching over the KV-cache contract.
+
+Each step the scheduler picks which sequences run and how many tokens each writes:
+1. running groups that decode (one token per sample), then running groups still
+   prefilling (a chunk each), under the step's token budget;
+2. if nothing was preempted this step: swapped groups back in, then waiting groups
+   (preempted ones first, all in arrival order), while sequences, tokens and KV last.
+
+Before a sequence is scheduled the cache must have room for every token the step writes
+(fork, grow). When it has not, the most recently arrived running group is preempted,
+by recompute (free its KV; it re-prefills prompt + generated tokens later) or by swap
+(its KV moves to host memory). A group that cannot get memory even alone is finished
+with an error instead of being retried: the engine never spins.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from vmkv.engine.config import EngineConfig
+from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
+from vmkv.kv_cache import KVCache, OutOfKVMemory
+
+# Admit new work only while this fraction of the KV capacity stays free for running
+# sequences to grow into; admitting to the last token would preempt on the next decode.
+WATERMARK = 0.01
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, whose logits pick the next."""
+        return self.seq.num_computed + self.num_new == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_preempted: int = 0
+    failed: list[SequenceGroup] = field(default_factory=list)  # finished with FinishReason.ERROR
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: KVCache) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # arrival order: the last one is preempted first
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = 0
+        self.watermark_tokens = int(cache.free_capacity() * WATERMARK)
+
+    # ------------------------------------------------------------- queries
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(g.num_seq_slots for g in self.running)
+
+    # ---------------------------------------------------------- lifecycle
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def finish(self, group: SequenceGroup, reason: FinishReason) -> None:
+        """End a group early (abort, error): finish its live samples and give back its KV."""
+        for seq in group.live_seqs:
+            seq.finish_reason = reason
+        for queue in (self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        if group in self.running:
+            self.running.remove(group)
+        self._free_all(group)
+        group.status = RequestStatus.FINISHED
+
+    def release_finished(self, group: SequenceGroup) -> None:
+        """After a step: free finished samples' KV and retire the group once all are done."""
+        self._free_finished(group)
+        if not group.live_seqs:
+            self.running.remove(group)
+            group.status = RequestStatus.FINISHED
+
+    # ---------------------------------------------------------------- step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        planned: dict[SequenceGroup, list[ScheduledSeq]] = {}
+
+        decoding = [g for g in self.running if not g.is_prefilling]
+        prefilling = [g for g in self.running if g.is_prefilling]
+        for group in decoding + prefilling:
+            if group.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            plan = self._plan(group, budget)
+            if not plan:
+                continue
+            while not self._reserve(group):
+                if len(self.running) == 1:
+                    self._fail(group, "the request needs more KV memory than the whole cache holds", out)
+                    break
+                victim = self.running[-1]
+                budget += sum(s.num_new for s in planned.pop(victim, []))
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is group:
+                    break
+            else:
+                planned[group] = plan
+                budget -= sum(s.num_new for s in plan)
+
+        if out.num_preempted == 0:
+            budget = self._resume_swapped(budget, planned)
+            if not self.swapped:
+                self._admit_waiting(budget, planned, out)
+
+        for plan in planned.values():
+            out.scheduled.extend(plan)
+        return out
+
+    # ------------------------------------------------------------ planning
+    def _plan(self, group: SequenceGroup, budget: int) -> list[ScheduledSeq]:
+        """Tokens each live sample writes this step: all its uncomputed ones, chunked by budget.
+
+        A decoding group is planned whole or not at all, so its samples stay in lockstep.
+        """
+        plan = []
+        for seq in group.live_seqs:
+            num_new = min(seq.num_uncomputed, budget)
+            if num_new == 0:
+                break
+            plan.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        if not group.is_prefilling and len(plan) < len(group.live_seqs):
+            return []
+        return plan
+
+    def _reserve(self, group: SequenceGroup) -> bool:
+        """Make the cache hold every token the group may write this step: pending forks first
+        (they copy the parent as prefilled, before the parent grows), then grows. Work already
+        done stays done when memory runs out midway, so a retry continues where this stopped."""
+        try:
+            for seq in group.live_seqs:
+                if seq.fork_parent is not None:
+                    self.cache.fork(seq.fork_parent.seq_id, seq.seq_id)
+                    seq.num_allocated = seq.fork_parent.num_computed
+                    seq.fork_parent = None
+            self._free_finished(group)
+            for seq in group.live_seqs:
+                if seq.num_allocated < len(seq.token_ids):
+                    self.cache.grow(seq.seq_id, seq.token_ids[seq.num_allocated :])
+                    seq.num_allocated = len(seq.token_ids)
+        except OutOfKVMemory:
+            return False
+        return True
+
+    def _free_finished(self, group: SequenceGroup) -> None:
+        """Free finished samples, except one a pending fork still copies from (a sample can
+        finish on its first token before its siblings are forked off it)."""
+        fork_sources = {s.fork_parent for s in group.seqs if s.fork_parent is not None}
+        for seq in group.seqs:
+            if seq.finished and seq.num_allocated and seq not in fork_sources:
+                self.cache.free(seq.seq_id)
+                seq.num_allocated = 0
+
+    # ----------------------------------------------------------- preemption
+    def _preempt(self, group: SequenceGroup) -> None:
+        self.running.remove(group)
+        self.num_preemptions += 1
+        group.metrics.num_preemptions += 1
+        if self.config.preemption_mode == "swap":
+            self.cache.swap_out([s.seq_id for s in group.seqs if s.num_allocated])
+            group.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(group)  # newest preempted first, so the oldest ends in front
+        else:
+            self._free_all(group)
+            group.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(group)
+
+    def _free_all(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            if seq.num_allocated:
+                self.cache.free(seq.seq_id)
+            seq.reset_cache_state()
+
+    def _fail(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
+        group.error = reason
+        self.finish(group, FinishReason.ERROR)
+        out.failed.append(group)
+
+    # -------------------------------------------------------------- resume
+    def _resume_swapped(self, budget: int, planned: dict[SequenceGroup, list[ScheduledSeq]]) -> int:
+        while self.swapped and budget > 0:
+            group = self.swapped[0]
+            if self.num_running_seqs + group.num_seq_slots > self.config.max_num_seqs:
+                break
+            try:
+                self.cache.swap_in([s.seq_id for s in group.seqs if s.num_allocated])
+            except OutOfKVMemory:
+                break
+            self.swapped.popleft()
+            self._start(group)
+            plan = self._plan(group, budget)
+            if plan and self._reserve(group):
+                planned[group] = plan
+                budget -= sum(s.num_new for s in plan)
+        return budget
+
+    def _admit_waiting(
+        self, budget: int, planned: dict[SequenceGroup, list[ScheduledSeq]], out: SchedulerOutput
+    ) -> None:
+        while self.waiting and budget > 0:
+            group = self.waiting[0]
+            if self.num_running_seqs + group.num_seq_slots > self.config.max_num_seqs:
+                break
+            alone = not self.running and not self.swapped
+            needed = sum(len(s.token_ids) for s in group.live_seqs)
+            if not alone and self.cache.free_capacity() < needed + self.watermark_tokens:
+                break
+            if not self._admit(group):
+                if alone:  # nothing holds memory but this group: waiting cannot help
+                    self.waiting.popleft()
+                    self._fail(group, "the request needs more KV memory than the whole cache holds", out)
+                    continue
+                break
+            self.waiting.popleft()
+            self._start(group)
+            plan = self._plan(group, budget)
+            planned[group] = plan
+            budget -= sum(s.num_new for s in plan)
+
+    def _admit(self, group: SequenceGroup) -> bool:
+        """Admit every live sample (one, or each sample of a recomputed group), all or none."""
+        admitted = []
+        try:
+            for seq in group.live_seqs:
+                seq.num_computed = self.cache.admit(seq.seq_id, seq.token_ids)
+                seq.num_allocated = len(seq.token_ids)
+                admitted.append(seq)
+        except OutOfKVMemory:
+            for seq in admitted:
+                self.cache.free(seq.seq_id)
+                seq.reset_cache_state()
+            return False
+        return True
+
+    def _start(self, group: SequenceGroup) -> None:
+        group.status = RequestStatus.RUNNING
+        bisect.insort(self.running, group, key=lambda g: g.arrival)

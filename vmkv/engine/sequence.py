@@ -1,0 +1,140 @@
+"""A request (SequenceGroup) and its samples (Sequence): tokens, cache progress, status.
+
+A group is the unit of scheduling and preemption: its n samples share the prompt's KV
+through forks, so they run, wait, swap and resume together.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from vmkv.engine.detokenizer import IncrementalDetokenizer
+from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vmkv.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # never scheduled
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # KV dropped; waits to recompute prompt + generated tokens
+    SWAPPED = "swapped"  # KV in host memory; waits to swap back in
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # end-of-sequence, stop token id or stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # the caller gave up on it
+    ERROR = "error"  # the engine could not run it
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample: prompt + generated tokens and how far the KV cache has them.
+
+    num_computed tokens have KV written; the cache has room for num_allocated (0: the
+    sequence holds nothing in the cache). A fresh fork child has fork_parent set until the
+    scheduler copies the parent's KV into it.
+    """
+
+    seq_id: int
+    index: int
+    token_ids: list[int]
+    prompt_len: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    num_computed: int = 0
+    num_allocated: int = 0
+    fork_parent: Sequence | None = None
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def reset_cache_state(self) -> None:
+        """Forget the KV (it was freed): the next admission recomputes every token."""
+        self.num_computed = 0
+        self.num_allocated = 0
+        self.fork_parent = None
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """A request: its prompt, parameters and n samples (one until the prompt is prefilled)."""
+
+    request_id: str
+    arrival: int  # admission order: FCFS scheduling and preemption compare these
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    status: RequestStatus = RequestStatus.WAITING
+    error: str | None = None
+    stop_hold: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        # While streaming, hold back as many characters as a stop string could still cover.
+        self.stop_hold = max((len(s) for s in self.params.stop), default=1) - 1
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def num_seq_slots(self) -> int:
+        """Samples this group may run at once: n minus those already finished."""
+        return self.params.n - sum(s.finished for s in self.seqs)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return any(s.num_uncomputed > 1 for s in self.live_seqs)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def output(self) -> RequestOutput:
+        outputs = []
+        for s in self.seqs:
+            text = (
+                s.text
+                if s.finished or self.stop_hold == 0
+                else s.text[: max(len(s.text) - self.stop_hold, 0)]
+            )
+            outputs.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=text,
+                    token_ids=s.token_ids[s.prompt_len :],
+                    finish_reason=None if s.finish_reason is None else str(s.finish_reason),
+                    stop_reason=s.stop_reason,
+                    cumulative_logprob=None if s.logprobs is None else s.cumulative_logprob,
+                    logprobs=None if s.logprobs is None else list(s.logprobs),
+                )
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            metrics=self.metrics,
+            error=self.error,
+        )
