@@ -11,6 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as transformers_logging
 
 from vmkv.model.store import DEFAULT_MODEL, UnknownModelError, load_model, load_tokenizer, resolve_model
+from vmkv.server.launcher import add_serve_arguments, serve_main
 
 
 def positive_int(text: str) -> int:
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", default=DEFAULT_MODEL, help="model name or local checkpoint directory")
     chat.add_argument("--max-tokens", type=positive_int, default=128, help="most new tokens to generate")
     chat.set_defaults(handler=cmd_chat)
+
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_serve_arguments(serve)
+    serve.set_defaults(handler=serve_main)
     return parser
 
 

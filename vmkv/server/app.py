@@ -1,0 +1,112 @@
+"""The FastAPI application: routes, guards and error handlers over one running engine."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from vmkv.server.engine_client import EngineClient
+from vmkv.server.errors import error_response, install_error_handlers
+from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, api_key_checker
+from vmkv.server.metrics import CONTENT_TYPE, ServingMetrics
+from vmkv.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from vmkv.server.serving import OpenAIServing
+
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+
+
+def stream_or_json(model: type) -> dict:
+    """OpenAPI description of an endpoint answering JSON, or SSE when stream is true."""
+    return {200: {"model": model, "content": {"text/event-stream": {}}}}
+
+
+def package_version() -> str:
+    try:
+        return version("vmkv")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_app(
+    engine: EngineClient,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """An app serving `engine` under the name `served_model_name`.
+
+    With `api_key`, the /v1 and tokenizer routes want `Authorization: Bearer <api_key>`;
+    /health, /metrics and /version stay open for probes and scrapers.
+    """
+    serving = OpenAIServing(engine, served_model_name, ServingMetrics(served_model_name))
+    app = FastAPI(title="vmkv", version=package_version(), description="OpenAI-compatible LLM serving.")
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+
+    guarded = APIRouter(
+        dependencies=[Depends(api_key_checker(api_key))] if api_key else [], responses=ERROR_RESPONSES
+    )
+
+    @guarded.post("/v1/completions", response_model=None, responses=stream_or_json(CompletionResponse))
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    @guarded.post(
+        "/v1/chat/completions", response_model=None, responses=stream_or_json(ChatCompletionResponse)
+    )
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @guarded.get("/v1/models")
+    async def list_models() -> ModelList:
+        card = ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
+        return ModelList(data=[card])
+
+    @guarded.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if body.messages is not None:
+            text = serving.render_chat(body.messages, body.add_generation_prompt)
+            tokens = serving.encode(text, add_special_tokens=False)
+        else:
+            tokens = serving.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
+
+    @guarded.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        serving.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+    @app.get("/health", response_class=Response, responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        """200 with an empty body while the engine runs; 503 once it has died."""
+        if engine.dead_reason is not None:
+            return error_response(503, f"the engine has stopped: {engine.dead_reason}")
+        return Response(status_code=200)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(serving.metrics.render(engine.stats()), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def server_version() -> VersionResponse:
+        return VersionResponse(version=app.version)
+
+    app.include_router(guarded)
+    return app

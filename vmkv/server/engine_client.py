@@ -1,0 +1,118 @@
+"""The server's one view of the engine: submit token ids, async-iterate per-step deltas, abort.
+
+The engine reports each request's samples cumulatively; HTTP streams send only what is
+new, so this adapter turns outputs into deltas. A request's lifetime is tied to one async
+generator: leaving it early, for any reason (client gone, error, cancellation), aborts the
+request and frees its KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from vmkv.engine import AsyncLLM, CompletionOutput, EngineDead, EngineStats, SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has stopped; no request can be served until the server restarts."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine could not run this request (a step failed); the engine itself keeps serving."""
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at this position, best first
+
+
+@dataclass
+class SampleDelta:
+    """What one sample (of n) gained in one engine step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+
+
+@dataclass
+class _Sent:
+    chars: int = 0
+    tokens: int = 0
+    finished: bool = False
+
+
+class EngineClient:
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+        self.tokenizer: PreTrainedTokenizerBase = llm.tokenizer
+        self.max_model_len: int = llm.engine.config.max_model_len
+        self.vocab_size: int = min(len(self.tokenizer), llm.engine.runner.vocab_size)
+        self.model_path = str(llm.engine.model_path)
+        self.dead_reason: str | None = None
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestRejected for a request the engine could never run; changes nothing."""
+        self.llm.engine.validate(prompt_ids, params)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncGenerator[list[SampleDelta], None]:
+        """One list of deltas per engine step that advanced the request, until every sample ends."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        sent: dict[int, _Sent] = {}
+        stream = self.llm.generate(prompt_ids, params, request_id=request_id)
+        try:
+            async for output in stream:
+                if output.error is not None:
+                    raise RequestFailed(output.error)
+                deltas = [
+                    delta
+                    for sample in output.outputs
+                    if (delta := _delta(sample, sent.setdefault(sample.index, _Sent()), params.logprobs))
+                ]
+                yield deltas
+        except EngineDead as error:
+            self.dead_reason = str(error)
+            raise EngineDeadError(self.dead_reason) from error
+        finally:
+            await stream.aclose()
+
+    def stats(self) -> EngineStats:
+        return self.llm.stats()
+
+    def shutdown(self) -> None:
+        """Stop the engine; from now on the server answers 503."""
+        self.dead_reason = "the engine has been shut down"
+        self.llm.shutdown()
+
+
+def _delta(sample: CompletionOutput, sent: _Sent, num_top: int | None) -> SampleDelta | None:
+    """The part of a cumulative sample not sent yet, or None if nothing changed."""
+    text = sample.text[sent.chars :]
+    token_ids = sample.token_ids[sent.tokens :]
+    newly_finished = sample.finish_reason is not None and not sent.finished
+    if not text and not token_ids and not newly_finished:
+        return None
+    logprobs = None
+    if sample.logprobs is not None:
+        logprobs = [
+            TokenLogprob(token_id, top[token_id], sorted(top.items(), key=lambda item: -item[1])[:num_top])
+            for token_id, top in zip(token_ids, sample.logprobs[sent.tokens :], strict=True)
+        ]
+    sent.chars, sent.tokens, sent.finished = (
+        len(sample.text),
+        len(sample.token_ids),
+        newly_finished or sent.finished,
+    )
+    return SampleDelta(
+        sample.index, text, token_ids, logprobs, sample.finish_reason if newly_finished else None
+    )

@@ -1,0 +1,84 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+SDK clients map the HTTP status to an exception class and read `error.message`; a
+validation failure names the offending request field in `param`.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from vmkv.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """Raised by a handler to answer with an error; nothing about the engine's state changed."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    info = ErrorInfo(message=message, type=error_type, param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def _location(loc: tuple) -> str:
+    return ".".join(str(part) for part in loc[1:] if part != "body") or "body"
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    fields = [e["loc"][1] for e in errors if len(e["loc"]) > 1 and isinstance(e["loc"][1], str)]
+    problems = "; ".join(f"{_location(tuple(e['loc']))}: {e['msg']}" for e in errors[:5])
+    return error_response(400, f"invalid request: {problems}", fields[0] if fields else None)
+
+
+def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.param)
+
+
+def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail), None)
+
+
+def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.error("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

@@ -1,0 +1,110 @@
+"""`vmkv serve`: build the engine, wrap it in the app, run uvicorn until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import uvicorn
+
+from vmkv.engine import AsyncLLM, EngineConfig
+from vmkv.engine.config import DTYPES, KV_MODES, PREEMPTION_MODES
+from vmkv.model.store import DEFAULT_MODEL
+from vmkv.server.app import build_app
+from vmkv.server.engine_client import EngineClient
+from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES
+
+API_KEY_ENV = "VMKV_API_KEY"
+MIB = 1 << 20
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    server = parser.add_argument_group("server")
+    server.add_argument("--model", default=DEFAULT_MODEL, help="model name or local checkpoint directory")
+    server.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients send as `model` (default: the --model argument)",
+    )
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1 and tokenizer routes (env {API_KEY_ENV})",
+    )
+    server.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get 413",
+    )
+    server.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--kv-mode", choices=KV_MODES, default=defaults.kv_mode)
+    engine.add_argument("--dtype", choices=list(DTYPES), default=defaults.dtype)
+    engine.add_argument("--device", default=defaults.device)
+    engine.add_argument(
+        "--kv-budget-mib",
+        type=_positive_int,
+        default=defaults.kv_budget_bytes // MIB,
+        help="KV cache size in MiB",
+    )
+    engine.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=defaults.max_model_len,
+        help="longest prompt + generation, in tokens",
+    )
+    engine.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs)
+    engine.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=defaults.max_num_batched_tokens
+    )
+    engine.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=defaults.preemption_mode)
+    engine.add_argument(
+        "--block-size", type=_positive_int, default=defaults.block_size, help="tokens per block (paged mode)"
+    )
+    engine.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn prefix caching off (paged mode)"
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        kv_mode=args.kv_mode,
+        dtype=args.dtype,
+        device=args.device,
+        kv_budget_bytes=args.kv_budget_mib * MIB,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=args.preemption_mode,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    """Serve until interrupted; the engine is shut down (KV freed) on the way out."""
+    engine = EngineClient(AsyncLLM(engine_config(args)))
+    app = build_app(
+        engine, args.served_model_name or args.model, api_key=args.api_key, max_body_bytes=args.max_body_bytes
+    )
+    try:
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
+    finally:
+        engine.shutdown()

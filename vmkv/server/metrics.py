@@ -1,0 +1,193 @@
+"""Prometheus text exposition (format 0.0.4) of the serving metrics, written by hand.
+
+Names follow the common serving convention with the prefix `vmkv:`, so dashboards and
+benchmark scrapers built for it read these unchanged. Latencies are measured here, where
+the tokens leave for the client; queue and cache figures are read from the engine at
+scrape time. Everything is touched only from the event loop, so no locks are needed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+from vmkv.engine import EngineStats
+
+PREFIX = "vmkv:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Bucket bounds of the common serving convention, so existing dashboards read these unchanged.
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+# fmt: on
+
+
+@dataclass
+class Histogram:
+    name: str
+    help: str
+    buckets: tuple[float, ...]
+    counts: list[int] = field(init=False)
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        index = bisect.bisect_left(self.buckets, value)
+        if index < len(self.buckets):
+            self.counts[index] += 1
+        self.sum += value
+        self.count += 1
+
+
+class RequestTimer:
+    """Times one request from arrival to finish; feeds the latency histograms once it ends."""
+
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.perf_counter()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+
+    def on_tokens(self) -> None:
+        """Call each time new tokens are about to be sent (one engine step's worth)."""
+        now = time.perf_counter()
+        if self.first_token is None:
+            self.first_token = now
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            self.metrics.itl.observe(now - self.last_token)
+        self.last_token = now
+
+    def on_finish(self, prompt_tokens: int, generated_tokens: int, longest_output: int) -> None:
+        """`longest_output` is the longest sample's length: the number of decode steps taken."""
+        now = time.perf_counter()
+        self.metrics.prompt_tokens += prompt_tokens
+        self.metrics.generation_tokens += generated_tokens
+        self.metrics.e2e.observe(now - self.arrival)
+        if self.first_token is not None and longest_output > 1:
+            self.metrics.tpot.observe((now - self.first_token) / (longest_output - 1))
+
+
+class ServingMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.labels = {"model_name": model_name}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = Histogram(
+            "inter_token_latency_seconds", "Time between streamed steps.", TOKEN_LATENCY_BUCKETS
+        )
+        self.tpot = Histogram(
+            "request_time_per_output_token_seconds",
+            "Decode time per output token, per request.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def render(self, engine: EngineStats) -> str:
+        memory = engine.memory
+        samples: list[tuple[str, str, str, float]] = [
+            ("num_requests_running", "gauge", "Requests in the running batch.", engine.num_running),
+            (
+                "num_requests_waiting",
+                "gauge",
+                "Requests waiting, preempted or swapped out.",
+                engine.num_waiting + engine.num_swapped,
+            ),
+            ("kv_cache_usage_perc", "gauge", "Fraction of the KV budget in use (1 = 100%).", engine.kv_usage),
+            ("num_preemptions_total", "counter", "Sequences preempted.", engine.num_preemptions),
+            (
+                "prefix_cache_queries_total",
+                "counter",
+                "Prompt tokens looked up in the prefix cache.",
+                engine.prefix_cache_queries,
+            ),
+            (
+                "prefix_cache_hits_total",
+                "counter",
+                "Prompt tokens found in the prefix cache.",
+                engine.prefix_cache_hits,
+            ),
+            ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
+            (
+                "generation_tokens_total",
+                "counter",
+                "Tokens generated for finished requests.",
+                self.generation_tokens,
+            ),
+            (
+                "kv_cache_reserved_bytes",
+                "gauge",
+                "KV address space or up-front reservation.",
+                memory.reserved_bytes,
+            ),
+            ("kv_cache_allocated_bytes", "gauge", "KV physical memory held.", memory.allocated_bytes),
+            ("kv_cache_used_bytes", "gauge", "KV bytes of stored tokens.", memory.used_bytes),
+            ("kv_cache_fragmentation_bytes", "gauge", "KV allocated minus used.", memory.fragmentation_bytes),
+        ]
+        samples += [
+            (f"kv_{metric_name(key)}", "gauge", f"KV layout counter {key}.", value)
+            for key, value in sorted(engine.layout_counters.items())
+        ]
+        out: list[str] = []
+        for name, kind, help_text, value in samples:
+            self._sample(out, name, kind, help_text, value)
+        for histogram in (self.ttft, self.itl, self.tpot, self.e2e):
+            self._histogram(out, histogram)
+        return "\n".join(out) + "\n"
+
+    def _sample(self, out: list[str], name: str, kind: str, help_text: str, value: float) -> None:
+        out += [
+            f"# HELP {PREFIX}{name} {help_text}",
+            f"# TYPE {PREFIX}{name} {kind}",
+            f"{PREFIX}{name}{format_labels(self.labels)} {format_value(value)}",
+        ]
+
+    def _histogram(self, out: list[str], histogram: Histogram) -> None:
+        name = PREFIX + histogram.name
+        out += [f"# HELP {name} {histogram.help}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, count in zip(histogram.buckets, histogram.counts, strict=True):
+            cumulative += count
+            labels = format_labels({**self.labels, "le": format_value(bound)})
+            out.append(f"{name}_bucket{labels} {cumulative}")
+        out.append(f"{name}_bucket{format_labels({**self.labels, 'le': '+Inf'})} {histogram.count}")
+        out.append(f"{name}_sum{format_labels(self.labels)} {format_value(histogram.sum)}")
+        out.append(f"{name}_count{format_labels(self.labels)} {histogram.count}")
+
+
+def metric_name(raw: str) -> str:
+    """A layout's counter key as a valid Prometheus name fragment."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", raw)
+
+
+def format_labels(labels: dict[str, str]) -> str:
+    return "{" + ",".join(f'{key}="{escape_label(value)}"' for key, value in labels.items()) + "}"
+
+
+def escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def format_value(value: float) -> str:
+    if isinstance(value, bool):
+        value = int(value)
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))

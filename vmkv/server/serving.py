@@ -1,0 +1,480 @@
+"""The generation endpoints: turn an OpenAI request into engine requests and their outputs back.
+
+Every check (model name, lengths, token ids, what the engine would refuse) happens before
+anything reaches the engine, so a refused request leaves no trace. Each prompt becomes
+one engine request whose n samples share the prompt's KV; its outputs arrive as per-step
+deltas, which a stream forwards and a plain response accumulates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from transformers import PreTrainedTokenizerBase
+
+from vmkv.engine import RequestRejected, SamplingParams
+from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed, SampleDelta, TokenLogprob
+from vmkv.server.errors import APIError, bad_request, error_body
+from vmkv.server.metrics import RequestTimer, ServingMetrics
+from vmkv.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    SamplingFields,
+    TopLogprob,
+    Usage,
+    now,
+    random_id,
+)
+from vmkv.server.protocol import TokenLogprob as ChatTokenLogprob
+from vmkv.server.streaming import DONE_EVENT, EventStreamResponse, merge, sse_event
+
+T = TypeVar("T")
+
+# The status nginx made the convention for "client closed the request"; nobody is left to read it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass
+class Submission:
+    """One prompt's engine request; its samples are choices choice_offset .. choice_offset + n - 1."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    choice_offset: int
+
+
+@dataclass
+class Choice:
+    """A sample's output so far."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: SampleDelta) -> None:
+        self.text += delta.text
+        self.num_tokens += len(delta.token_ids)
+        self.logprobs.extend(delta.logprobs or [])
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+
+@dataclass
+class ChoiceDelta:
+    """A delta with the choice it belongs to and where its text starts in that choice."""
+
+    choice: Choice
+    delta: SampleDelta
+    text_start: int
+
+    def worth_sending(self, with_logprobs: bool) -> bool:
+        delta = self.delta
+        return (
+            bool(delta.text) or delta.finish_reason is not None or (with_logprobs and bool(delta.token_ids))
+        )
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready."""
+
+
+class OpenAIServing:
+    def __init__(self, engine: EngineClient, model_name: str, metrics: ServingMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
+
+    # ---------------------------------------------------------------- checks shared by endpoints
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404, f"model {name!r} does not exist; this server serves {self.model_name!r}", "model"
+            )
+
+    def check_alive(self) -> None:
+        if self.engine.dead_reason is not None:
+            raise APIError(503, f"the engine has stopped: {self.engine.dead_reason}")
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab_size = self.engine.vocab_size
+        if any(token_id >= vocab_size for token_id in token_ids):
+            raise bad_request(f"token ids must be below the vocabulary size {vocab_size}", param)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        if not self.tokenizer.chat_template:
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        conversation = [{"role": message.role, "content": message.text} for message in messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as error:  # a template may refuse a conversation (e.g. its role order)
+            raise bad_request(f"the chat template refused these messages: {error}", "messages") from error
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
+        """The request's generation budget; refuses one that cannot fit in max_model_len."""
+        limit = self.engine.max_model_len
+        if prompt_len == 0:
+            raise bad_request("the prompt is empty", prompt_param)
+        if prompt_len >= limit:
+            raise bad_request(
+                f"the prompt has {prompt_len} tokens; this model's maximum context length is {limit} "
+                "tokens, which must also hold at least one generated token",
+                prompt_param,
+            )
+        if requested is None:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise bad_request(
+                f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_len} "
+                f"tokens and max_tokens asks for {requested} more",
+                "max_tokens",
+            )
+        return requested
+
+    def submission(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        body: SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        choice_offset: int,
+    ) -> Submission:
+        """An engine request the engine is known to accept (anything else is a 400 here)."""
+        top_k = min(body.top_k, self.engine.vocab_size) if body.top_k is not None and body.top_k > 0 else 0
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=top_k,
+            n=body.n,
+            stop=body.stop_strings,
+            stop_token_ids=list(body.stop_token_ids or []),
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+        if body.cache_salt is not None:
+            # Refused rather than ignored: a salt promises isolation that AsyncLLM cannot give yet
+            # (it has no way to hand a salt to the KV cache's admit()).
+            raise bad_request("cache_salt is not supported yet by the engine", "cache_salt")
+        try:
+            self.engine.validate(prompt_ids, params)
+        except RequestRejected as error:
+            raise bad_request(str(error)) from error
+        return Submission(request_id, prompt_ids, params, choice_offset)
+
+    # ---------------------------------------------------------------------------- completions
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        self.check_alive()
+        request_id = random_id("cmpl")
+        submissions = []
+        for i, prompt_ids in enumerate(self.completion_prompts(body)):
+            max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, "prompt")
+            submissions.append(
+                self.submission(f"{request_id}-{i}", prompt_ids, body, max_tokens, body.logprobs, i * body.n)
+            )
+        timer = self.metrics.timer()
+        if body.stream:
+            return EventStreamResponse(self.completion_events(body, request_id, submissions, timer))
+        choices = await self.collect_or_answer_disconnect(request, submissions, timer)
+        if isinstance(choices, Response):
+            return choices
+        response = CompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=[
+                CompletionChoice(
+                    index=choice.index,
+                    text=choice.text,
+                    logprobs=self.completion_logprobs(choice.logprobs, 0)
+                    if body.logprobs is not None
+                    else None,
+                    finish_reason=choice.finish_reason,
+                )
+                for choice in choices
+            ],
+            usage=usage(submissions, choices),
+        )
+        return JSONResponse(response.model_dump())
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """The request's prompts as token ids: one text, several texts, one id list or several."""
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt or any(len(item) == 0 for item in prompt):
+            raise bad_request("the prompt is empty", "prompt")
+        if isinstance(prompt[0], str):
+            return [self.encode(text, add_special_tokens=True) for text in prompt]
+        for token_ids in prompt:
+            self.check_token_ids(token_ids, "prompt")
+        return [list(token_ids) for token_ids in prompt]
+
+    async def completion_events(
+        self, body: CompletionRequest, request_id: str, submissions: list[Submission], timer: RequestTimer
+    ) -> AsyncGenerator[str, None]:
+        created = now()
+        choices = new_choices(submissions)
+        with_logprobs = body.logprobs is not None
+        try:
+            async with aclosing(self.choice_deltas(submissions, choices, timer)) as steps:
+                async for step in steps:
+                    chunk_choices = [
+                        CompletionChoice(
+                            index=item.choice.index,
+                            text=item.delta.text,
+                            logprobs=(
+                                self.completion_logprobs(item.delta.logprobs or [], item.text_start)
+                                if with_logprobs
+                                else None
+                            ),
+                            finish_reason=item.delta.finish_reason,
+                        )
+                        for item in step
+                        if item.worth_sending(with_logprobs)
+                    ]
+                    if chunk_choices:
+                        yield sse_event(
+                            CompletionResponse(
+                                id=request_id, created=created, model=self.model_name, choices=chunk_choices
+                            )
+                        )
+            if body.include_usage:
+                yield sse_event(
+                    CompletionResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[],
+                        usage=usage(submissions, choices),
+                    )
+                )
+        except (EngineDeadError, RequestFailed, RequestRejected) as error:
+            yield error_event(error)
+        yield DONE_EVENT
+
+    def completion_logprobs(self, logprobs: list[TokenLogprob], text_start: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        offset = text_start
+        for entry in logprobs:
+            token = self.token_text(entry.token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(entry.logprob)
+            result.text_offset.append(offset)
+            top = {token: entry.logprob}
+            top.update((self.token_text(token_id), logprob) for token_id, logprob in entry.top)
+            result.top_logprobs.append(top)
+            offset += len(token)
+        return result
+
+    # ----------------------------------------------------------------------------------- chat
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        self.check_alive()
+        text = self.render_chat(body.messages, body.add_generation_prompt)
+        prompt_ids = self.encode(text, add_special_tokens=False)
+        max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        request_id = random_id("chatcmpl")
+        submissions = [self.submission(request_id, prompt_ids, body, max_tokens, logprobs, 0)]
+        timer = self.metrics.timer()
+        if body.stream:
+            return EventStreamResponse(self.chat_events(body, request_id, submissions, timer))
+        choices = await self.collect_or_answer_disconnect(request, submissions, timer)
+        if isinstance(choices, Response):
+            return choices
+        response = ChatCompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=[
+                ChatChoice(
+                    index=choice.index,
+                    message=AssistantMessage(content=choice.text),
+                    logprobs=self.chat_logprobs(choice.logprobs, body.top_logprobs)
+                    if body.logprobs
+                    else None,
+                    finish_reason=choice.finish_reason,
+                )
+                for choice in choices
+            ],
+            usage=usage(submissions, choices),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def chat_events(
+        self, body: ChatCompletionRequest, request_id: str, submissions: list[Submission], timer: RequestTimer
+    ) -> AsyncGenerator[str, None]:
+        created = now()
+        choices = new_choices(submissions)
+
+        def chunk(chunk_choices: list[ChatChunkChoice], usage_: Usage | None = None) -> str:
+            return sse_event(
+                ChatCompletionChunk(
+                    id=request_id, created=created, model=self.model_name, choices=chunk_choices, usage=usage_
+                )
+            )
+
+        try:
+            yield chunk(
+                [
+                    ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))
+                    for choice in choices
+                ]
+            )
+            async with aclosing(self.choice_deltas(submissions, choices, timer)) as steps:
+                async for step in steps:
+                    chunk_choices = [
+                        ChatChunkChoice(
+                            index=item.choice.index,
+                            delta=DeltaMessage(content=item.delta.text or None),
+                            logprobs=(
+                                self.chat_logprobs(item.delta.logprobs or [], body.top_logprobs)
+                                if body.logprobs
+                                else None
+                            ),
+                            finish_reason=item.delta.finish_reason,
+                        )
+                        for item in step
+                        if item.worth_sending(body.logprobs)
+                    ]
+                    if chunk_choices:
+                        yield chunk(chunk_choices)
+            if body.include_usage:
+                yield chunk([], usage(submissions, choices))
+        except (EngineDeadError, RequestFailed, RequestRejected) as error:
+            yield error_event(error)
+        yield DONE_EVENT
+
+    def chat_logprobs(self, logprobs: list[TokenLogprob], top_logprobs: int | None) -> ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> TopLogprob:
+            token = self.token_text(token_id)
+            return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+        content = []
+        for item in logprobs:
+            chosen = entry(item.token_id, item.logprob)
+            top = [entry(token_id, logprob) for token_id, logprob in item.top[: top_logprobs or 0]]
+            content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    # ------------------------------------------------------------------------ running requests
+    async def choice_deltas(
+        self, submissions: list[Submission], choices: list[Choice], timer: RequestTimer
+    ) -> AsyncGenerator[list[ChoiceDelta], None]:
+        """Run the submissions; per engine step, the deltas applied to `choices`.
+
+        Closing this generator before it ends aborts every engine request still running.
+        """
+        streams = [self.engine.generate(s.request_id, s.prompt_ids, s.params) for s in submissions]
+        async with aclosing(merge(streams)) as steps:
+            async for i, deltas in steps:
+                step = []
+                for delta in deltas:
+                    choice = choices[submissions[i].choice_offset + delta.index]
+                    step.append(ChoiceDelta(choice, delta, len(choice.text)))
+                    choice.add(delta)
+                if any(delta.token_ids for delta in deltas):
+                    timer.on_tokens()
+                yield step
+        timer.on_finish(
+            prompt_tokens=sum(len(s.prompt_ids) for s in submissions),
+            generated_tokens=sum(choice.num_tokens for choice in choices),
+            longest_output=max(choice.num_tokens for choice in choices),
+        )
+
+    async def collect(self, submissions: list[Submission], timer: RequestTimer) -> list[Choice]:
+        choices = new_choices(submissions)
+        async with aclosing(self.choice_deltas(submissions, choices, timer)) as steps:
+            async for _ in steps:
+                pass
+        return choices
+
+    async def collect_or_answer_disconnect(
+        self, request: Request, submissions: list[Submission], timer: RequestTimer
+    ) -> list[Choice] | Response:
+        """Collect a whole answer, giving up (and aborting) if the client leaves first."""
+        try:
+            return await until_disconnected(request, self.collect(submissions, timer))
+        except EngineDeadError as error:
+            raise APIError(503, str(error)) from error
+        except RequestFailed as error:
+            raise APIError(500, str(error)) from error
+        except RequestRejected as error:
+            raise bad_request(str(error)) from error
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def new_choices(submissions: list[Submission]) -> list[Choice]:
+    return [Choice(index=s.choice_offset + i) for s in submissions for i in range(s.params.n)]
+
+
+def usage(submissions: list[Submission], choices: list[Choice]) -> Usage:
+    prompt_tokens = sum(len(s.prompt_ids) for s in submissions)
+    completion_tokens = sum(choice.num_tokens for choice in choices)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def error_event(error: Exception) -> str:
+    """A failure after the stream began: the status is already sent, so the error travels as an event."""
+    status = 503 if isinstance(error, EngineDeadError) else 400 if isinstance(error, RequestRejected) else 500
+    return sse_event(error_body(status, str(error)))
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first; then cancel it and raise ClientDisconnected."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+    if work_task.cancelled():
+        raise ClientDisconnected
+    return work_task.result()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body is read, so receive() has nothing else to say)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

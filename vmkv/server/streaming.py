@@ -1,0 +1,73 @@
+"""Server-sent events as OpenAI streams them, and the async plumbing that keeps streams abortable.
+
+One `data: {json}` event per chunk, then `data: [DONE]`. A stream's generator is always
+closed when its response ends, however it ends, so the engine requests behind it are
+aborted at once rather than whenever the garbage collector gets to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator
+from typing import TypeVar
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+SSE_MEDIA_TYPE = "text/event-stream"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel | dict) -> str:
+    """One event; a JSON body never holds a raw newline, so one `data:` line always suffices."""
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that closes its generator when the response ends, even on a disconnect.
+
+    On a disconnect Starlette cancels the sending task; if the generator was parked at a
+    `yield` at that moment the cancellation never reaches it, so it is closed here.
+    """
+
+    body_iterator: AsyncGenerator[str, None]
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        super().__init__(events, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+    """(stream number, item) from several async generators in arrival order.
+
+    Closing the merge closes every stream, so abandoning it aborts whatever they drive.
+    """
+    pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
