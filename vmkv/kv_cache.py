@@ -193,5 +193,5 @@ class KVCache(ABC):
         """Write this step's k/v [T, Hkv, D] for `layer`, then return attention of q [T, Hq, D]
         over each sequence's whole context as [T, Hq, D]."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook; layouts holding no OS resources skip it
         """Give back every resource (driver pages, threads)."""
