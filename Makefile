@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+KV_MODE ?= vattention
+
 run: $(STAMP)
-	$(BIN)/vmkv chat "What is the capital of France?"
+	$(BIN)/vmkv pull
+	$(BIN)/vmkv serve --kv-mode $(KV_MODE) --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(BIN)/ruff check .
