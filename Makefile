@@ -31,6 +31,9 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
+bench: $(STAMP)
+	$(BIN)/vmkv bench
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 

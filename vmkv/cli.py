@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as transformers_logging
 
+from vmkv.bench.cli import add_bench_arguments, bench_main
 from vmkv.model.store import DEFAULT_MODEL, UnknownModelError, load_model, load_tokenizer, resolve_model
 from vmkv.server.launcher import add_serve_arguments, serve_main
 
@@ -67,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_serve_arguments(serve)
     serve.set_defaults(handler=serve_main)
+
+    bench = commands.add_parser("bench", help="A/B benchmark of the KV layouts (report, JSON, plots)")
+    add_bench_arguments(bench)
+    bench.set_defaults(handler=bench_main)
     return parser
 
 
