@@ -11,7 +11,7 @@ import torch
 
 from vmkv.engine import LLM, AsyncLLM, RequestRejected, SamplingParams
 from vmkv.engine.detokenizer import IncrementalDetokenizer
-from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
+from vmkv.engine.oracle import CHAT_PROMPTS, ReferenceRun, chat_prompt_ids, compare, reference_greedy
 from vmkv.model.store import load_tokenizer
 
 MAX_TOKENS = 24
@@ -31,6 +31,16 @@ def make_llm(model_dir: Path, kv_mode: str = "paged", **kwargs: object) -> LLM:
         "page_size": 4096,
     }
     return LLM(str(model_dir), **(options | kwargs))
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Run single-threaded: correctness does not need threads, and on a busy 2-core machine
+    OpenMP barriers waiting for a descheduled thread made steps ~18x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +236,33 @@ def test_async_streams_tokens_and_aborts_on_early_exit(
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("fp32_gemm", [False, True])
+def test_bf16_follows_transformers_with_native_or_fp32_gemm(
+    tiny_model_dir: Path, prompts: list[list[int]], fp32_gemm: bool
+) -> None:
+    reference = reference_greedy(tiny_model_dir, prompts, MAX_TOKENS, torch.bfloat16)
+    llm = make_llm(tiny_model_dir, "vattention", dtype="bfloat16", fp32_gemm=fp32_gemm)
+    assert llm.engine.runner.fp32_gemm is fp32_gemm
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    llm.close()
+    report = compare(reference, [o.outputs[0].token_ids for o in outputs])
+    assert report.identical >= 0.95 * len(prompts), report.mismatches + report.near_ties
+
+
+def test_oracle_counts_near_ties_apart_from_mismatches() -> None:
+    reference = [
+        ReferenceRun([1, 2, 3], margins=[5.0, 5e-5, 5.0], tops=[20.0, 20.0, 20.0]),
+        ReferenceRun([1, 2, 3], margins=[5.0, 0.125, 5.0], tops=[20.0, 20.0, 20.0]),
+        ReferenceRun([1, 2, 3], margins=[5.0, 5.0, 5.0], tops=[20.0, 20.0, 20.0]),
+        ReferenceRun([1, 2], margins=[5.0, 5.0], tops=[20.0, 20.0]),
+    ]
+    outputs = [[1, 9, 9], [1, 9, 9], [1, 2, 9], [1, 2]]
+    report = compare(reference, outputs)
+    assert report.identical == 1
+    assert [(d.prompt, d.step) for d in report.near_ties] == [(0, 1)]  # margin below 1e-4
+    assert [(d.prompt, d.step, d.expected, d.got) for d in report.mismatches] == [(1, 1, 2, 9), (2, 2, 3, 9)]
+    bf16 = compare(reference, outputs, tie_bf16_ulps=1)  # 0.125 is one bf16 step at 20.0
+    assert [(d.prompt, d.step) for d in bf16.near_ties] == [(0, 1), (1, 1)]
+    assert compare(reference, outputs, first=2).identical == 2

@@ -19,6 +19,15 @@ MAX_TOKENS = 16
 FP32_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Run single-threaded: correctness does not need threads, and on a busy 2-core machine
+    OpenMP barriers waiting for a descheduled thread made steps ~18x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 @pytest.fixture(scope="module")
 def prompts(default_model_dir: Path) -> list[list[int]]:
     return chat_prompt_ids(load_tokenizer(default_model_dir), CHAT_PROMPTS[2:6])

@@ -33,6 +33,10 @@ class EngineConfig:
     page_size: int | None = None  # vattention layout only, in bytes; None: the layout's default
     enable_prefix_caching: bool = True  # paged layout only
     seed: int = 0  # for requests that give no seed of their own
+    # Run bf16/fp16 linear layers as fp32 GEMMs of the same values, rounding outputs back: the
+    # arithmetic of a half-precision GEMM (fp32 accumulation), for CPUs that lack one natively,
+    # where torch's fallback is ~6x slower. None: only where no native kernel exists.
+    fp32_gemm: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:

@@ -16,7 +16,9 @@ def build_kv_cache(config: EngineConfig, shape: KVShape, model_id: str) -> KVCac
     """
     if config.kv_mode == "vattention":
         options = {} if config.page_size is None else {"page_size": config.page_size}
-        return VAttentionKVCache(shape, config.max_model_len, config.kv_budget_bytes, config.device, **options)
+        return VAttentionKVCache(
+            shape, config.max_model_len, config.kv_budget_bytes, config.device, **options
+        )
     if config.kv_mode == "paged":
         return PagedKVCache(
             shape,

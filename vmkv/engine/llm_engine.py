@@ -59,7 +59,7 @@ class LLMEngine:
         self.cache = build_kv_cache(config, self.runner.kv_shape, str(self.model_path))
         self.capacity_tokens = self.cache.free_capacity()
         self.scheduler = Scheduler(config, self.cache)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.runner.device)
         self.eos_token_ids = _eos_token_ids(self.runner.model, self.tokenizer)
         self._groups: dict[str, SequenceGroup] = {}
         self._group_of: dict[int, SequenceGroup] = {}  # seq_id -> its request
@@ -127,18 +127,17 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Advance every scheduled request by one step; returns the outputs of those that changed."""
+        """Advance every scheduled request by one step; returns the outputs of those that gained
+        tokens or finished (a prefill chunk that samples nothing reports nothing)."""
         sched = self.scheduler.schedule()
         outputs = [self._retire(group) for group in sched.failed]
         if not sched.scheduled:
             return outputs
         self.num_steps += 1
         now = time.monotonic()
-        touched: dict[str, SequenceGroup] = {}
         sampling: list[Sequence] = []
         for item in sched.scheduled:
             group = self._group_of[item.seq.seq_id]
-            touched[group.request_id] = group
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
             if item.samples:
@@ -154,7 +153,7 @@ class LLMEngine:
         groups = [self._group_of[s.seq_id] for s in row_seqs]
         rows = [SampleRow(g.params, s.generator) for s, g in zip(row_seqs, groups, strict=True)]
         if row_index != list(range(len(sampling))):
-            logits = logits[torch.tensor(row_index)]
+            logits = logits[torch.tensor(row_index, device=logits.device)]
         result = self.sampler(logits, rows)
         self.generation_tokens += len(row_seqs)
         now = time.monotonic()
@@ -165,7 +164,7 @@ class LLMEngine:
                 group.metrics.first_token_time = now
             self._append_token(seq, group, token, logprobs)
 
-        for group in touched.values():
+        for group in {id(g): g for g in groups}.values():
             self.scheduler.release_finished(group)
             outputs.append(self._retire(group) if group.finished else group.output())
         return outputs
@@ -233,7 +232,9 @@ class LLMEngine:
                 self.tokenizer, group.prompt_token_ids, group.params.skip_special_tokens
             ),
             # each sample draws from its own stream, so its tokens do not depend on the batch
-            generator=None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + index),
+            generator=None
+            if seed is None
+            else torch.Generator(device=self.runner.device).manual_seed(seed * 1_000_003 + index),
             logprobs=None if group.params.logprobs is None else [],
         )
         self._next_seq_id += 1

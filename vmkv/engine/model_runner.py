@@ -11,6 +11,7 @@ engine state down. Logits are computed only for the rows that sample.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 
 import torch
@@ -71,6 +72,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.model = load_model(model_path, dtype=config.torch_dtype, attn_implementation=ATTENTION_NAME)
         self.model.to(self.device)
+        self.fp32_gemm = _wants_fp32_gemm(config)
+        if self.fp32_gemm:
+            _run_linears_in_fp32(self.model)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         hf = self.model.config
@@ -113,3 +117,29 @@ class ModelRunner:
         last_rows = [i for i, s in enumerate(scheduled) if s.samples]
         rows = batch.query_start[1:][last_rows] - 1
         return self.lm_head(hidden[rows]).float()
+
+
+def _wants_fp32_gemm(config: EngineConfig) -> bool:
+    if config.fp32_gemm is not None:
+        return config.fp32_gemm
+    if config.torch_dtype == torch.float32 or torch.device(config.device).type != "cpu":
+        return False
+    if config.torch_dtype == torch.bfloat16:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+def _run_linears_in_fp32(model: torch.nn.Module) -> None:
+    """Hold each half-precision Linear's weight in fp32 (exactly the same values) and compute
+    in fp32, rounding the output back: one fp32 GEMM per layer instead of a slow half one.
+    Embeddings stay in half precision; a tied lm_head gets its own fp32 copy."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.dtype != torch.float32:
+            module.weight = torch.nn.Parameter(module.weight.detach().float(), requires_grad=False)
+            if module.bias is not None:
+                module.bias = torch.nn.Parameter(module.bias.detach().float(), requires_grad=False)
+            module.forward = partial(_fp32_linear, module)
+
+
+def _fp32_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x.float(), module.weight, module.bias).to(x.dtype)

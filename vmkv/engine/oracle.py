@@ -9,6 +9,7 @@ since the two continuations then condition on different tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,8 @@ CHAT_PROMPTS = [
     "Give me a short recipe for pancakes.",
     "Summarize the plot of Romeo and Juliet in one paragraph.",
     "What are the main differences between Python lists and tuples? Answer with a short bulleted list.",
-    "Write a limerick about a cat who learned to program computers and then refused to chase mice ever again.",
+    "Write a limerick about a cat who learned to program computers and then refused to chase mice "
+    "ever again.",
     "You are a helpful travel agent. A customer wants a three-day itinerary for Rome with museums, food and "
     "a day trip outside the city. Suggest a plan with morning, afternoon and evening activities.",
     "Describe how a hash map works, including hashing, buckets, collisions and resizing, for a beginner.",
@@ -56,6 +58,7 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> l
 class ReferenceRun:
     token_ids: list[int]
     margins: list[float]  # the top-two logit gap at each generated position
+    tops: list[float]  # the top logit at each generated position
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Divergence:
     expected: int
     got: int
     margin: float
+    top: float  # the reference's top logit there, for judging the margin against its precision
 
 
 @dataclass
@@ -99,8 +103,14 @@ def reference_greedy(
     for ids in prompts:
         out = model.generate(torch.tensor([ids]), generation_config=config)
         top2 = torch.stack(out.logits)[:, 0].float().topk(2, dim=-1).values
-        runs.append(ReferenceRun(out.sequences[0, len(ids) :].tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
+        margins = (top2[:, 0] - top2[:, 1]).tolist()
+        runs.append(ReferenceRun(out.sequences[0, len(ids) :].tolist(), margins, top2[:, 0].tolist()))
     return runs
+
+
+def bf16_ulp(x: float) -> float:
+    """The gap between adjacent bfloat16 values at x's magnitude (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0**-133
 
 
 def compare(
@@ -108,13 +118,19 @@ def compare(
     outputs: list[list[int]],
     tie_margin: float = 1e-4,
     first: int | None = None,
+    tie_bf16_ulps: int = 0,
 ) -> OracleReport:
-    """Compare each prompt's tokens (optionally only the first `first`) up to its first divergence."""
+    """Compare each prompt's tokens (optionally only the first `first`) up to its first divergence.
+
+    A divergence is a near-tie when the reference's top-two margin there is below tie_margin,
+    or at most tie_bf16_ulps bfloat16 rounding steps of its top logit (the bf16 policy: two
+    logits that adjacent bf16 values separate are a tie that any rounding difference can flip).
+    """
     report = OracleReport(num_prompts=len(reference))
     for p, (ref, got) in enumerate(zip(reference, outputs, strict=True)):
         expected = ref.token_ids[:first]
         got = got[:first]
-        step = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+        step = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
         if step is None and len(expected) != len(got):
             step = min(len(expected), len(got))  # one stopped early without a differing token
         if step is None:
@@ -128,6 +144,8 @@ def compare(
             expected=expected[step] if step < len(expected) else -1,
             got=got[step] if step < len(got) else -1,
             margin=ref.margins[step] if step < len(ref.margins) else float("inf"),
+            top=ref.tops[step] if step < len(ref.tops) else 0.0,
         )
-        (report.near_ties if divergence.margin < tie_margin else report.mismatches).append(divergence)
+        tie = divergence.margin < tie_margin or divergence.margin <= tie_bf16_ulps * bf16_ulp(divergence.top)
+        (report.near_ties if tie else report.mismatches).append(divergence)
     return report

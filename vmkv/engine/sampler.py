@@ -28,21 +28,24 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)  # for rows without a seed of their own
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        # for rows without a seed of their own
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         """logits: float32 [S, V], one row per entry of `rows`."""
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            index = torch.tensor(random_rows)
+            index = torch.tensor(random_rows, device=logits.device)
             tokens[index] = self._sample(logits[index], [rows[i] for i in random_rows])
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(logits, rows, tokens))
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+        temperature = torch.tensor(
+            [r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device
+        )
         logits = logits / temperature.unsqueeze(1)
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
@@ -62,7 +65,7 @@ class Sampler:
         out: list[dict[int, float] | None] = [None] * len(rows)
         if not wanted:
             return out
-        index = torch.tensor(wanted)
+        index = torch.tensor(wanted, device=logits.device)
         logprobs = logits[index].log_softmax(dim=-1)
         k = max(rows[i].params.logprobs for i in wanted)
         top_values, top_ids = logprobs.topk(k, dim=-1)
@@ -78,12 +81,14 @@ class Sampler:
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask to -inf every token outside each row's top-k and top-p nucleus (one sort for all rows)."""
-    vocab = logits.shape[1]
+    vocab, device = logits.shape[1], logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([t if t > 0 else vocab for t in top_k]).unsqueeze(1)
-    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=device).unsqueeze(1)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-    p = torch.tensor([x if x < 1.0 else 2.0 for x in top_p], dtype=logits.dtype).unsqueeze(1)  # 1: keep all
+    p = torch.tensor([x if x < 1.0 else 2.0 for x in top_p], dtype=logits.dtype, device=device).unsqueeze(
+        1
+    )  # 1: keep all
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # the top token always stays: its mass before is 0
     sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
