@@ -2,7 +2,7 @@
 
 throughput: N requests of P random prompt tokens and O output tokens (ignore_eos), all
 submitted at once, in every kv mode and in transformers' own continuous batching
-(`generate_batch`, attention "paged|sdpa") on the same requests, modes interleaved over
+(`generate_batch`, sdpa attention over its paged cache) on the same requests, modes interleaved over
 rounds. Reports output tokens/s, KV bytes reserved / peak allocated / peak used, the peak
 number of running sequences and preemptions.
 
@@ -137,7 +137,7 @@ def throughput(args: argparse.Namespace) -> None:
     hf_model = (
         None
         if args.skip_transformers
-        else load_model(path, dtype=EngineConfig(**base).torch_dtype, attn_implementation="paged|sdpa")
+        else load_model(path, dtype=EngineConfig(**base).torch_dtype, attn_implementation="sdpa")
     )
     for engine in engines.values():  # warm up allocators and kernels outside the timed runs
         run_engine(engine, prompts[:2], 2, "warm")

@@ -266,3 +266,34 @@ def test_oracle_counts_near_ties_apart_from_mismatches() -> None:
     bf16 = compare(reference, outputs, tie_bf16_ulps=1)  # 0.125 is one bf16 step at 20.0
     assert [(d.prompt, d.step) for d in bf16.near_ties] == [(0, 1), (1, 1)]
     assert compare(reference, outputs, first=2).identical == 2
+
+
+def test_async_engine_fails_the_requests_of_a_broken_step_and_keeps_serving(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    engine = AsyncLLM(model=str(tiny_model_dir), dtype="float32", kv_budget_bytes=1 << 22, max_model_len=128)
+    execute = engine.engine.runner.execute
+    calls = []
+
+    def broken_once(*args: object) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("kernel exploded")
+        return execute(*args)
+
+    engine.engine.runner.execute = broken_once
+
+    async def main() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        failed = [out async for out in engine.generate(prompts[0], params)]
+        assert failed[-1].finished and failed[-1].outputs[0].finish_reason == "error"
+        assert "kernel exploded" in failed[-1].error
+        served = [out async for out in engine.generate(prompts[0], params)]
+        assert served[-1].outputs[0].finish_reason == "length"
+        assert engine.stats().memory.used_bytes == 0  # the snapshot is taken before outputs go out
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+        engine.shutdown()  # idempotent

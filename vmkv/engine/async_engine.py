@@ -44,6 +44,8 @@ class AsyncLLM:
         self._streams_lock = threading.Lock()
         self._stats = self.engine.stats()  # refreshed by the engine thread; never half a step
         self._stopping = False
+        self._closed = False
+        self.dead_reason: str | None = None  # why the engine thread stopped, if it did
         self._thread = threading.Thread(target=self._run, name="vmkv-engine", daemon=True)
         self._thread.start()
 
@@ -81,7 +83,7 @@ class AsyncLLM:
     def _open_stream(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> _Stream:
         """Validate in the caller's thread (raises RequestRejected), then queue the request."""
         if self._stopping:
-            raise EngineDead("the engine has been shut down")
+            raise EngineDead(self.dead_reason or "the engine has been shut down")
         text, prompt_ids = self.engine.validate(prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
@@ -98,18 +100,19 @@ class AsyncLLM:
         self._wake.set()
 
     def stats(self) -> EngineStats:
-        """The engine's state after its latest step (read without waiting for a running step)."""
+        """The engine's state after its latest step, taken before that step's outputs are delivered
+        (so it never waits for a running step)."""
         return self._stats
 
     def shutdown(self) -> None:
-        """Stop the engine thread, fail what is still streaming, and free the KV cache."""
+        """Stop the engine thread, fail what is still streaming, and free the KV cache (once)."""
+        if self._closed:
+            return
+        self._closed = True
         self._stopping = True
         self._wake.set()
         self._thread.join()
-        with self._streams_lock:
-            streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            self._put(stream, EngineDead("the engine has been shut down"))
+        self._die(self.dead_reason or "the engine has been shut down")
         self.engine.close()
 
     # --------------------------------------------------------- engine thread
@@ -125,10 +128,23 @@ class AsyncLLM:
                 outputs = self.engine.step()
             except Exception as exc:  # keep serving: fail the requests in flight, not the server
                 logger.exception("engine step failed")
-                outputs = self.engine.fail_all(f"engine step failed: {exc!r}")
+                try:
+                    outputs = self.engine.fail_all(f"engine step failed: {exc!r}")
+                except Exception as cleanup:
+                    logger.exception("could not free the failed requests; the engine stops")
+                    self._die(f"engine step failed ({exc!r}) and cleanup failed ({cleanup!r})")
+                    return
             self._stats = self.engine.stats()
             for out in outputs:
                 self._deliver(out)
+
+    def _die(self, reason: str) -> None:
+        self.dead_reason = reason
+        self._stopping = True
+        with self._streams_lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            self._put(stream, EngineDead(reason))
 
     def _drain_inbox(self) -> None:
         while True:
