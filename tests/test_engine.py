@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vmkv.engine import LLM, AsyncLLM, RequestRejected, SamplingParams
+from vmkv.engine import LLM, AsyncLLM, EngineDead, RequestRejected, SamplingParams
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.oracle import CHAT_PROMPTS, ReferenceRun, chat_prompt_ids, compare, reference_greedy
 from vmkv.model.store import load_tokenizer
@@ -145,6 +145,39 @@ def test_parallel_samples_share_one_prefill_and_seeds_reproduce(
     assert all(len(t) == 12 for t in tokens) and len({tuple(t) for t in tokens}) > 1
     assert [o.token_ids for o in again[1].outputs] == tokens
     assert [o.token_ids for o in again[2].outputs] == tokens
+
+
+def test_seeds_use_all_64_bits(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    def sampled(seed: int) -> list[list[int]]:
+        params = SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True)
+        return [o.token_ids for o in llm.generate(prompts[2], params)[0].outputs]
+
+    llm = make_llm(tiny_model_dir)
+    largest = sampled(2**63 - 1)
+    assert sampled(2**63 - 1) == largest  # same seed, same samples
+    assert largest[0] != largest[1]  # each sample draws its own stream
+    # torch's CPU generator keeps only a seed's low 32 bits: the high ones must still count
+    assert sampled(5) != sampled(5 + 2**32)
+    llm.close()
+
+
+def test_cache_salt_isolates_the_prefix_cache(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    llm = make_llm(tiny_model_dir, "paged", block_size=16)
+    prompt = max(prompts, key=len)
+    assert len(prompt) > 2 * 16  # at least two whole blocks to find in the prefix cache
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+
+    def hits_of(cache_salt: str | None) -> tuple[int, list[int]]:
+        before = llm.engine.stats().prefix_cache_hits
+        out = llm.generate(prompt, greedy, cache_salt=cache_salt)[0]
+        return llm.engine.stats().prefix_cache_hits - before, out.outputs[0].token_ids
+
+    first_hits, tokens = hits_of("tenant-a")
+    assert first_hits == 0
+    assert hits_of("tenant-b") == (0, tokens)  # another salt finds nothing of tenant-a's
+    assert hits_of(None) == (0, tokens)  # nor does a request without one
+    assert hits_of("tenant-a") == (len(prompt) // 16 * 16, tokens)  # the same salt shares its blocks
+    llm.close()
 
 
 def test_logprobs_are_the_model_distribution(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
@@ -297,3 +330,27 @@ def test_async_engine_fails_the_requests_of_a_broken_step_and_keeps_serving(
     finally:
         engine.shutdown()
         engine.shutdown()  # idempotent
+
+
+def test_async_engine_thread_crash_fails_streams_and_refuses_new_ones(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    engine = AsyncLLM(model=str(tiny_model_dir), dtype="float32", kv_budget_bytes=1 << 22, max_model_len=128)
+
+    def explode(*args: object) -> None:
+        raise RuntimeError("inbox exploded")
+
+    engine.engine.add_request = explode  # a bug outside any step kills the engine thread
+
+    async def main() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        with pytest.raises(EngineDead, match="inbox exploded"):
+            await asyncio.wait_for(anext(engine.generate(prompts[0], params)), timeout=10)
+        assert "inbox exploded" in engine.dead_reason
+        with pytest.raises(EngineDead, match="inbox exploded"):
+            await anext(engine.generate(prompts[0], params))
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

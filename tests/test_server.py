@@ -168,6 +168,47 @@ def test_completions_n_samples_and_logprobs(served: Served) -> None:
     assert [c.text for c in again.choices] == [c.text for c in result.choices]  # same seed, same samples
 
 
+def test_any_64_bit_seed_reproduces(served: Served) -> None:
+    client = served.openai()
+
+    def texts() -> list[str]:
+        result = client.completions.create(
+            model=MODEL,
+            prompt="Hello, world!",
+            max_tokens=6,
+            n=2,
+            temperature=1.0,
+            seed=2**63 - 1,
+            extra_body={"ignore_eos": True},
+        )
+        return [choice.text for choice in sorted(result.choices, key=lambda choice: choice.index)]
+
+    first = texts()
+    assert texts() == first
+
+
+def test_cache_salt_is_served_and_isolates_cached_prefixes(served: Served) -> None:
+    prompt = "Salted prefixes are shared only within one tenant. " * 2  # several 16-token blocks
+
+    def prefix_hits(path: str, body: dict) -> int:
+        before = served.llm.stats().prefix_cache_hits
+        response = httpx.post(f"{served.url}{path}", json={"model": MODEL, "max_tokens": 2, **body})
+        assert response.status_code == 200, response.text
+        served.wait_idle()
+        return served.llm.stats().prefix_cache_hits - before
+
+    hits = [
+        prefix_hits("/v1/completions", {"prompt": prompt, "cache_salt": salt})
+        for salt in ("tenant-a", "tenant-b", "tenant-a")
+    ]
+    chat = {"messages": [{"role": "user", "content": prompt}], "cache_salt": "tenant-c"}
+    prefix_hits("/v1/chat/completions", chat)  # chat takes a salt too
+    if served.llm.engine.config.kv_mode == "paged":
+        assert hits[0] == hits[1] == 0 and hits[2] >= 32  # only the same salt finds tenant-a's blocks
+    else:
+        assert hits == [0, 0, 0]  # no prefix cache in this layout
+
+
 def test_completions_batch_of_prompts_streams_every_choice(served: Served) -> None:
     stream = served.openai().completions.create(
         model=MODEL,
@@ -374,7 +415,10 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, None),
     ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
-    ("/v1/completions", {"prompt": "x", "cache_salt": "tenant-a"}, 400, "cache_salt"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": 5}, 400, "cache_salt"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**63}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": CHAT, "seed": 1.5}, 400, "seed"),
     ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
     ("/tokenize", {}, 400, None),
 ]
@@ -472,6 +516,38 @@ def test_dead_engine_answers_503(tiny_model_dir: Path) -> None:
         assert_openai_error(http.get("/health"), 503, None)
         assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}), 503, None)
         assert http.get("/v1/models").status_code == 200  # the server itself keeps answering
+
+
+def test_crashed_engine_answers_503_with_its_reason(tiny_model_dir: Path) -> None:
+    engine = start_engine(str(tiny_model_dir), "contiguous")
+    llm = engine.llm.engine
+
+    def explode(*args: object) -> None:
+        raise RuntimeError("kernel exploded")
+
+    with (
+        LiveServer(build_app(engine, MODEL)) as server,
+        httpx.Client(base_url=server.url, timeout=10) as http,
+    ):
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            first = next(lines)
+            llm.step = explode  # a step fails, and so does freeing its requests: the engine thread gives up
+            llm.fail_all = explode
+            payloads = sse_payloads([first, *lines])
+        assert payloads[-1] == "[DONE]"
+        error = json.loads(payloads[-2])["error"]
+        assert error["code"] == 503 and "kernel exploded" in error["message"]
+        for response in (
+            http.get("/health"),
+            http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}),
+            http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}),
+            http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT}),
+        ):
+            assert_openai_error(response, 503, None)
+            assert "kernel exploded" in response.json()["error"]["message"]
+    engine.shutdown()
 
 
 # ------------------------------------------------------------------------------------ metrics

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDead(RuntimeError):
-    """The engine thread has stopped (shutdown); no request can be served."""
+    """The engine thread has stopped (shutdown or a crash); no request can be served."""
 
 
 @dataclass
@@ -43,9 +43,8 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._stats = self.engine.stats()  # refreshed by the engine thread; never half a step
-        self._stopping = False
         self._closed = False
-        self.dead_reason: str | None = None  # why the engine thread stopped, if it did
+        self.dead_reason: str | None = None  # why the engine stopped or is stopping; None while it runs
         self._thread = threading.Thread(target=self._run, name="vmkv-engine", daemon=True)
         self._thread.start()
 
@@ -55,15 +54,21 @@ class AsyncLLM:
 
     # ------------------------------------------------------------ requests
     async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after every step that advanced it, until finished.
 
-        Raises RequestRejected on the first iteration if the request can never run. Closing
-        the iterator early (client gone, cancellation) aborts the request and frees its KV.
+        Raises RequestRejected on the first iteration if the request can never run, EngineDead
+        if the engine thread has stopped or stops meanwhile. Closing the iterator early (client
+        gone, cancellation) aborts the request and frees its KV. Cached prefixes are shared only
+        among requests with the same cache_salt.
         """
         request_id = request_id or uuid.uuid4().hex
-        stream = self._open_stream(request_id, prompt, params or SamplingParams())
+        stream = self._open_stream(request_id, prompt, params or SamplingParams(), cache_salt)
         finished = False
         try:
             while True:
@@ -80,17 +85,20 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    def _open_stream(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> _Stream:
+    def _open_stream(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, cache_salt: str | None
+    ) -> _Stream:
         """Validate in the caller's thread (raises RequestRejected), then queue the request."""
-        if self._stopping:
-            raise EngineDead(self.dead_reason or "the engine has been shut down")
         text, prompt_ids = self.engine.validate(prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
+            # checked under the lock _die takes: a stream is either refused here or failed there
+            if self.dead_reason is not None:
+                raise EngineDead(self.dead_reason)
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, prompt if text is None else text, params))
+        self._inbox.put(("add", request_id, prompt if text is None else text, params, cache_salt))
         self._wake.set()
         return stream
 
@@ -109,15 +117,21 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
-        self._stopping = True
+        self._die(self.dead_reason or "the engine has been shut down")
         self._wake.set()
         self._thread.join()
-        self._die(self.dead_reason or "the engine has been shut down")
         self.engine.close()
 
     # --------------------------------------------------------- engine thread
     def _run(self) -> None:
-        while not self._stopping:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug outside a step: fail the streams rather than leave them waiting
+            logger.exception("the engine thread crashed")
+            self._die(f"the engine thread crashed: {exc!r}")
+
+    def _loop(self) -> None:
+        while self.dead_reason is None:
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():
                 self._stats = self.engine.stats()
@@ -139,8 +153,8 @@ class AsyncLLM:
                 self._deliver(out)
 
     def _die(self, reason: str) -> None:
+        """Stop for good: refuse new streams and fail every open one with EngineDead(reason)."""
         self.dead_reason = reason
-        self._stopping = True
         with self._streams_lock:
             streams, self._streams = self._streams, {}
         for stream in streams.values():
@@ -153,9 +167,9 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if message[0] == "add":
-                _, request_id, prompt, params = message
+                _, request_id, prompt, params, cache_salt = message
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(request_id, prompt, params, cache_salt)
                 except RequestRejected as exc:
                     self._deliver_error(request_id, exc)
             else:

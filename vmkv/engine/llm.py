@@ -27,11 +27,13 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list (text, or token ids); outputs come in prompt order.
 
         Every request is validated before any runs, so a rejected one (RequestRejected)
-        leaves the engine untouched.
+        leaves the engine untouched. Cached prefixes are shared only among requests with the
+        same cache_salt.
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -45,7 +47,7 @@ class LLM:
             for prompt, p in zip(prompts, params, strict=True):
                 request_id = str(self._next_id)
                 self._next_id += 1
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, cache_salt)
                 ids.append(request_id)
         except BaseException:
             for request_id in ids:

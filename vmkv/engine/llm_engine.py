@@ -7,6 +7,7 @@ background thread.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
@@ -72,12 +73,22 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def add_request(
-        self, request_id: str, prompt: str | SequenceABC[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | SequenceABC[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
     ) -> SequenceGroup:
-        """Queue a request; raises RequestRejected if it could never be served."""
+        """Queue a request; raises RequestRejected if it could never be served.
+
+        Requests share cached prompt prefixes only when their cache_salt is equal, so a
+        tenant's salt keeps others from learning (by timing) what it has sent.
+        """
         params = params or SamplingParams()
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestRejected(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         text, prompt_ids = self.validate(prompt, params)
         group = SequenceGroup(
             request_id=request_id,
@@ -87,6 +98,7 @@ class LLMEngine:
             params=params,
             seqs=[],
             metrics=RequestMetrics(arrival_time=time.monotonic()),
+            cache_salt=cache_salt,
         )
         self._next_arrival += 1
         self._new_seq(group, list(prompt_ids), index=0)
@@ -234,7 +246,7 @@ class LLMEngine:
             # each sample draws from its own stream, so its tokens do not depend on the batch
             generator=None
             if seed is None
-            else torch.Generator(device=self.runner.device).manual_seed(seed * 1_000_003 + index),
+            else torch.Generator(device=self.runner.device).manual_seed(sample_seed(seed, index)),
             logprobs=None if group.params.logprobs is None else [],
         )
         self._next_seq_id += 1
@@ -298,6 +310,16 @@ class LLMEngine:
         for seq in group.seqs:
             del self._group_of[seq.seq_id]
         return group.output()
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sample `index` of a request seeded with `seed` (any int >= 0).
+
+    A hash rather than arithmetic: it never leaves manual_seed's 64-bit range, and it mixes
+    every bit of the request seed into the low 32, the only ones torch's CPU generator uses.
+    """
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def _advance(scheduled: list[ScheduledSeq]) -> None:

@@ -244,7 +244,7 @@ class Scheduler:
         admitted = []
         try:
             for seq in group.live_seqs:
-                seq.num_computed = self.cache.admit(seq.seq_id, seq.token_ids)
+                seq.num_computed = self.cache.admit(seq.seq_id, seq.token_ids, group.cache_salt)
                 seq.num_allocated = len(seq.token_ids)
                 admitted.append(seq)
         except OutOfKVMemory:

@@ -85,6 +85,8 @@ class SequenceGroup:
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
+    # Prefix-cache identity: only requests with equal salts share cached KV (paged layout).
+    cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None
     stop_hold: int = field(init=False)

@@ -7,7 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from vmkv.server.engine_client import EngineClient
+from vmkv.server.engine_client import EngineClient, EngineDeadError
 from vmkv.server.errors import error_response, install_error_handlers
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, api_key_checker
 from vmkv.server.metrics import CONTENT_TYPE, ServingMetrics
@@ -96,8 +96,10 @@ def build_app(
     @app.get("/health", response_class=Response, responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
         """200 with an empty body while the engine runs; 503 once it has died."""
-        if engine.dead_reason is not None:
-            return error_response(503, f"the engine has stopped: {engine.dead_reason}")
+        try:
+            engine.check_alive()
+        except EngineDeadError as error:
+            return error_response(503, str(error))
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -56,20 +56,22 @@ class EngineClient:
         self.max_model_len: int = llm.engine.config.max_model_len
         self.vocab_size: int = min(len(self.tokenizer), llm.engine.runner.vocab_size)
         self.model_path = str(llm.engine.model_path)
-        self.dead_reason: str | None = None
+
+    def check_alive(self) -> None:
+        """Raises EngineDeadError, saying why, once the engine has stopped (shut down, or its thread died)."""
+        if self.llm.dead_reason is not None:
+            raise _engine_dead(self.llm.dead_reason)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises RequestRejected for a request the engine could never run; changes nothing."""
         self.llm.engine.validate(prompt_ids, params)
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncGenerator[list[SampleDelta], None]:
         """One list of deltas per engine step that advanced the request, until every sample ends."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
         sent: dict[int, _Sent] = {}
-        stream = self.llm.generate(prompt_ids, params, request_id=request_id)
+        stream = self.llm.generate(prompt_ids, params, request_id=request_id, cache_salt=cache_salt)
         try:
             async for output in stream:
                 if output.error is not None:
@@ -81,8 +83,7 @@ class EngineClient:
                 ]
                 yield deltas
         except EngineDead as error:
-            self.dead_reason = str(error)
-            raise EngineDeadError(self.dead_reason) from error
+            raise _engine_dead(str(error)) from error
         finally:
             await stream.aclose()
 
@@ -91,8 +92,11 @@ class EngineClient:
 
     def shutdown(self) -> None:
         """Stop the engine; from now on the server answers 503."""
-        self.dead_reason = "the engine has been shut down"
         self.llm.shutdown()
+
+
+def _engine_dead(reason: str) -> EngineDeadError:
+    return EngineDeadError(f"the engine has stopped: {reason}")
 
 
 def _delta(sample: CompletionOutput, sent: _Sent, num_top: int | None) -> SampleDelta | None:

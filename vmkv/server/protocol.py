@@ -26,6 +26,8 @@ from pydantic import (
 # The OpenAI API caps both; they also bound the work one request can ask for.
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+# The OpenAI API's seed is a signed 64-bit integer; only its non-negative half makes sense here.
+MAX_SEED = 2**63 - 1
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 
@@ -71,7 +73,7 @@ class SamplingFields(OpenAIModel):
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     stop: NonEmptyText | list[NonEmptyText] | None = None
     stop_token_ids: list[TokenId] | None = None
-    seed: Annotated[StrictInt, Field(ge=0, le=2**32 - 1)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -59,6 +59,7 @@ class Submission:
     prompt_ids: list[int]
     params: SamplingParams
     choice_offset: int
+    cache_salt: str | None
 
 
 @dataclass
@@ -116,8 +117,10 @@ class OpenAIServing:
             )
 
     def check_alive(self) -> None:
-        if self.engine.dead_reason is not None:
-            raise APIError(503, f"the engine has stopped: {self.engine.dead_reason}")
+        try:
+            self.engine.check_alive()
+        except EngineDeadError as error:
+            raise APIError(503, str(error)) from error
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.engine.vocab_size
@@ -182,15 +185,11 @@ class OpenAIServing:
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
         )
-        if body.cache_salt is not None:
-            # Refused rather than ignored: a salt promises isolation that AsyncLLM cannot give yet
-            # (it has no way to hand a salt to the KV cache's admit()).
-            raise bad_request("cache_salt is not supported yet by the engine", "cache_salt")
         try:
             self.engine.validate(prompt_ids, params)
         except RequestRejected as error:
             raise bad_request(str(error)) from error
-        return Submission(request_id, prompt_ids, params, choice_offset)
+        return Submission(request_id, prompt_ids, params, choice_offset, body.cache_salt)
 
     # ---------------------------------------------------------------------------- completions
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -395,7 +394,9 @@ class OpenAIServing:
 
         Closing this generator before it ends aborts every engine request still running.
         """
-        streams = [self.engine.generate(s.request_id, s.prompt_ids, s.params) for s in submissions]
+        streams = [
+            self.engine.generate(s.request_id, s.prompt_ids, s.params, s.cache_salt) for s in submissions
+        ]
         async with aclosing(merge(streams)) as steps:
             async for i, deltas in steps:
                 step = []
