@@ -12,6 +12,7 @@ near-ties) and bfloat16 (share of prompts agreeing over the first 32 tokens).
 
     python benchmarks/bench_engine.py throughput [--requests 64 --prompt-len 256 --output-len 128]
     python benchmarks/bench_engine.py oracle
+    python benchmarks/bench_engine.py lm-head   # why the runner slices the vocabulary projection
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers import AutoConfig, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from vmkv.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams
+from vmkv.engine.model_runner import LOGIT_SLICE
 from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
 from vmkv.kv_cache import KVMemory
 from vmkv.model.store import load_model, load_tokenizer, resolve_model
@@ -134,10 +136,17 @@ def throughput(args: argparse.Namespace) -> None:
     engines = {mode: LLMEngine(EngineConfig(kv_mode=mode, **base)) for mode in args.modes}
     vocab = next(iter(engines.values())).runner.vocab_size
     prompts = random_prompts(args.requests, args.prompt_len, vocab)
+    # The peer may compute in another dtype (fp32 where this CPU has no bf16 GEMM); it gets
+    # as many KV tokens as the engines, so a wider dtype does not starve it of memory.
+    peer_dtype = args.transformers_dtype or args.dtype
+    peer_tokens = base["kv_budget_bytes"] // kv_bytes_per_token(path, args.dtype)
+    peer_config = EngineConfig(
+        **{**base, "dtype": peer_dtype, "kv_budget_bytes": peer_tokens * kv_bytes_per_token(path, peer_dtype)}
+    )
     hf_model = (
         None
         if args.skip_transformers
-        else load_model(path, dtype=EngineConfig(**base).torch_dtype, attn_implementation="sdpa")
+        else load_model(path, dtype=peer_config.torch_dtype, attn_implementation="sdpa")
     )
     for engine in engines.values():  # warm up allocators and kernels outside the timed runs
         run_engine(engine, prompts[:2], 2, "warm")
@@ -147,11 +156,12 @@ def throughput(args: argparse.Namespace) -> None:
             runs.append(run_engine(engine, prompts, args.output_len, f"r{r}"))
             print(_line(runs[-1]), flush=True)
         if hf_model is not None:
-            runs.append(run_transformers(hf_model, prompts, args.output_len, EngineConfig(**base)))
+            runs.append(run_transformers(hf_model, prompts, args.output_len, peer_config))
             print(_line(runs[-1]), flush=True)
     print(
         f"\n{args.requests} requests x {args.prompt_len} prompt / {args.output_len} output tokens, "
-        f"{args.dtype}, KV budget {args.kv_budget_mib} MiB, max_model_len {args.max_model_len}, "
+        f"{args.dtype} (transformers {peer_dtype}), KV budget {args.kv_budget_mib} MiB, "
+        f"max_model_len {args.max_model_len}, "
         f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
         f"fp32 GEMM {next(iter(engines.values())).runner.fp32_gemm}, {torch.get_num_threads()} threads, "
         f"best of {args.rounds} round(s):"
@@ -292,6 +302,34 @@ def kv_bytes_per_token(path: str, dtype: str) -> int:
     )
 
 
+def lm_head(args: argparse.Namespace) -> None:
+    """The vocabulary projection as one GEMM against LOGIT_SLICE-row slices, A B A B, medians."""
+    hf = AutoConfig.from_pretrained(resolve_model(args.model))
+    weight = torch.randn(hf.vocab_size, hf.hidden_size)
+    for rows in args.rows:
+        x, out = torch.randn(rows, hf.hidden_size), torch.empty(rows, hf.vocab_size)
+
+        def whole(x: torch.Tensor = x, out: torch.Tensor = out) -> None:
+            torch.mm(x, weight.t(), out=out)
+
+        def sliced(x: torch.Tensor = x, out: torch.Tensor = out) -> None:
+            for start in range(0, hf.vocab_size, LOGIT_SLICE):
+                torch.mm(x, weight[start : start + LOGIT_SLICE].t(), out=out[:, start : start + LOGIT_SLICE])
+
+        times: dict[str, list[float]] = {"whole": [], "sliced": []}
+        for _ in range(args.rounds):
+            for name, fn in (("whole", whole), ("sliced", sliced)):
+                fn()  # warm
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        a, b = (statistics.median(times[k]) * 1e3 for k in ("whole", "sliced"))
+        print(
+            f"[{rows}, {hf.hidden_size}] x [{hf.hidden_size}, {hf.vocab_size}] fp32: one GEMM {a:6.1f} ms, "
+            f"{LOGIT_SLICE}-row slices {b:6.1f} ms ({a / b:.2f}x)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -318,16 +356,24 @@ def main() -> None:
     t.add_argument("--preemption-mode", default="recompute")
     t.add_argument("--rounds", type=int, default=1)
     t.add_argument("--skip-transformers", action="store_true")
+    t.add_argument(
+        "--transformers-dtype",
+        default=None,
+        help="dtype of the transformers peer (default: --dtype); float32 on CPUs without bf16 GEMMs",
+    )
     o = sub.add_parser("oracle")
     o.add_argument("--prompts", type=int, default=16)
     o.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     o.add_argument("--max-tokens", type=int, default=64)
     o.add_argument("--max-model-len", type=int, default=256)
     o.add_argument("--small-budget-tokens", type=int, default=640)
+    h = sub.add_parser("lm-head")
+    h.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[8, 64, 128])
+    h.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    throughput(args) if args.command == "throughput" else oracle(args)
+    {"throughput": throughput, "oracle": oracle, "lm-head": lm_head}[args.command](args)
 
 
 if __name__ == "__main__":
