@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, OutOfKVMemory, SequenceTooLong, StepBatch
+from vmkv.dense_slots import DenseSlotSequences
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, OutOfKVMemory, StepBatch
 from vmkv.vattention.attention import (
     DEFAULT_MAX_PADDING,
     DenseSlotPlan,
@@ -31,7 +32,7 @@ class _Seq:
     host_kv: torch.Tensor | None = None  # [layers, 2, Hkv, length, D] while swapped out
 
 
-class ContiguousKVCache(KVCache):
+class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache):
     """Static max_len reservation per sequence; fork and swap copy whole contexts."""
 
     kind = "contiguous"
@@ -172,24 +173,7 @@ class ContiguousKVCache(KVCache):
         self._seqs.clear()
 
     # -------------------------------------------------------------- helpers
-    def _check_len(self, length: int) -> None:
-        if length > self.max_len:
-            raise SequenceTooLong(f"{length} tokens exceed max_len {self.max_len}")
-
     def _take_slot(self) -> int:
         if not self._free_slots:
             raise OutOfKVMemory(1, 0, "slots")
         return self._free_slots.pop()
-
-    def _get(self, seq_id: int) -> _Seq:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise KeyError(f"sequence {seq_id} is not in the cache") from None
-
-    def _resident(self, seq_id: int) -> _Seq:
-        seq = self._get(seq_id)
-        if seq.slot < 0:
-            raise ValueError(f"sequence {seq_id} is swapped out")
-        return seq
-

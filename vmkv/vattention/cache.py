@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vmkv.dense_slots import DenseSlotSequences
 from vmkv.drivers import DEFAULT_PAGE_SIZE, CudaDriver, HostDriver, MemoryDriver, RawCallError, Reservation
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, OutOfKVMemory, SequenceTooLong, StepBatch
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, OutOfKVMemory, StepBatch
 from vmkv.vattention.attention import (
     DEFAULT_MAX_PADDING,
     DenseSlotPlan,
@@ -91,7 +92,7 @@ class _Seq:
     host_kv: torch.Tensor | None = None  # [tensors, length, Hkv, D] while swapped out
 
 
-class VAttentionKVCache(KVCache):
+class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
     kind = "vattention"
 
     def __init__(
@@ -617,19 +618,3 @@ class VAttentionKVCache(KVCache):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the cache is closed")
-
-    def _check_len(self, length: int) -> None:
-        if length > self.max_len:
-            raise SequenceTooLong(f"{length} tokens exceed max_len {self.max_len}")
-
-    def _get(self, seq_id: int) -> _Seq:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise KeyError(f"sequence {seq_id} is not in the cache") from None
-
-    def _resident(self, seq_id: int) -> _Seq:
-        seq = self._get(seq_id)
-        if seq.slot < 0:
-            raise ValueError(f"sequence {seq_id} is swapped out")
-        return seq
