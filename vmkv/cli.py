@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="vmkv: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the bench's output
     transformers_logging.disable_progress_bar()
     try:
         args.handler(args)
