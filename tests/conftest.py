@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from vmkv.model.store import pull_default_model
-from vmkv.model.tiny import build_tiny_llama
+from vmkv.model.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama checkpoint with a byte-level tokenizer; loads in milliseconds."""
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

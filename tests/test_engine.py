@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from vmkv.engine import LLM, AsyncLLM, EngineDead, RequestRejected, SamplingParams
+from vmkv.engine.config import KV_MODES
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.oracle import CHAT_PROMPTS, ReferenceRun, chat_prompt_ids, compare, reference_greedy
 from vmkv.model.store import load_tokenizer
+from vmkv.model.tiny import build_tiny_model
 
 MAX_TOKENS = 24
 # Tiny model, fp32: 512 B of KV per token. 96 KiB holds 192 tokens, far less than the 8 prompts
@@ -77,6 +79,29 @@ def test_greedy_matches_transformers_under_preemption_and_chunking(
     else:
         assert stats.num_preemptions > 0
     assert stats.memory.used_bytes == 0 and stats.num_running_seqs == 0  # everything freed
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "mistral"])
+def test_other_architectures_match_transformers_unmodified(tmp_path: Path, architecture: str) -> None:
+    """Qwen2 (biased q/k/v) and Mistral run through the same attention hook as Llama."""
+    model_dir = build_tiny_model(tmp_path / architecture, architecture)
+    prompts = chat_prompt_ids(load_tokenizer(model_dir), CHAT_PROMPTS[:4])
+    reference = reference_greedy(model_dir, prompts, MAX_TOKENS, torch.float32)
+    for kv_mode in KV_MODES:
+        llm = make_llm(model_dir, kv_mode, max_num_batched_tokens=32)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        llm.close()
+        report = compare(reference, [o.outputs[0].token_ids for o in outputs])
+        assert report.identical == len(prompts), (kv_mode, report.mismatches, report.near_ties)
+
+
+def test_sliding_window_beyond_max_model_len_is_refused(tmp_path: Path) -> None:
+    model_dir = build_tiny_model(tmp_path / "mistral", "mistral")
+    config_file = model_dir / "config.json"
+    config_file.write_text(config_file.read_text().replace('"sliding_window": 4096', '"sliding_window": 64'))
+    with pytest.raises(ValueError, match="sliding window of 64 tokens"):
+        make_llm(model_dir, max_model_len=128)
+    make_llm(model_dir, max_model_len=64).close()
 
 
 def test_outputs_carry_text_and_reasons(tiny_model_dir: Path, prompts: list[list[int]]) -> None:

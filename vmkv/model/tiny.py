@@ -1,7 +1,9 @@
-"""A tiny random-weight Llama checkpoint, built locally in about a second, as a fast stand-in model.
+"""Tiny random-weight decoder checkpoints, built locally in about a second, as fast stand-in models.
 
-It has the default model's shape of problem (grouped-query attention, tied embeddings,
-byte-level BPE tokenizer, ChatML template) at a size where tests run in milliseconds.
+They have the default model's shape of problem (grouped-query attention, tied embeddings,
+byte-level BPE tokenizer, ChatML template) at a size where tests run in milliseconds. Llama is
+the default; Qwen2 (biased q/k/v projections) and Mistral show that the engine drives other
+architectures through transformers' attention interface without touching their code.
 """
 
 from __future__ import annotations
@@ -10,7 +12,17 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
@@ -21,6 +33,11 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
 _TRAINING_TEXT = [
     "The capital of France is Paris.",
     "What is the capital of France?",
@@ -52,8 +69,9 @@ def build_tiny_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_llama(
+def build_tiny_model(
     path: str | Path,
+    architecture: str = "llama",
     seed: int = 0,
     num_layers: int = 2,
     hidden_size: int = 64,
@@ -63,14 +81,17 @@ def build_tiny_llama(
     intermediate_size: int = 128,
     max_position_embeddings: int = 4096,
 ) -> Path:
-    """Write a random-weight Llama checkpoint (bf16 safetensors, config, tokenizer) to `path`.
+    """Write a random-weight checkpoint (bf16 safetensors, config, tokenizer) to `path`.
 
     The same seed always gives the same weights. Weights are drawn wider than Llama's usual
     0.02 so greedy decoding has clear winners rather than near-ties that rounding could flip.
     """
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {tuple(ARCHITECTURES)}, got {architecture!r}")
+    config_class, model_class = ARCHITECTURES[architecture]
     path = Path(path)
     tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -86,7 +107,7 @@ def build_tiny_llama(
         eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = model_class(config).to(torch.bfloat16)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
