@@ -32,6 +32,7 @@ from vmkv.bench.kernels import (
 from vmkv.bench.metrics import SLO, Distribution, RequestRecord, compute_metrics
 from vmkv.bench.offline import Round, RunOutcome, Target, run_interleaved
 from vmkv.bench.online import parse_peer_urls, parse_prometheus, run_online
+from vmkv.bench.peers import transformers_target
 from vmkv.bench.workloads import (
     BenchRequest,
     TokenRange,
@@ -44,6 +45,7 @@ from vmkv.bench.workloads import (
     read_trace,
     trace_workload,
 )
+from vmkv.engine import EngineConfig
 from vmkv.kv_cache import KVShape
 
 TOKENS = TokenRange(10, 1000)
@@ -424,3 +426,17 @@ def test_tiny_offline_bench_writes_json_markdown_and_plots(
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert {"capacity.png", "kv_memory.png", "rate_sweep.png", "ttft_cdf.png"} <= set(pngs)
     assert all((out / "plots" / p).stat().st_size > 1000 for p in pngs)
+
+
+def test_transformers_peer_runs_parallel_samples(tiny_model_dir: Path, one_thread: None) -> None:
+    """n > 1: every sample of the warm-up and of each request is accounted to its own request."""
+    config = EngineConfig(
+        model=str(tiny_model_dir), dtype="float32", kv_budget_bytes=1 << 22, max_model_len=256
+    )
+    spec = WorkloadSpec(
+        num_requests=3, tokens=TokenRange(3, 300), max_model_len=256, max_prompt=32, max_output=6
+    )
+    workload = make_workload("parallel", spec)
+    outcome = transformers_target(config).run(workload)
+    assert [r.error for r in outcome.records] == [None] * 3
+    assert [r.output_tokens for r in outcome.records] == [r.max_tokens * r.n for r in workload.requests]

@@ -56,8 +56,9 @@ def run_transformers(config: EngineConfig, workload: Workload) -> RunOutcome:
         warmup=False,
     ) as manager:
         manager.add_request(list(range(1, 9)), request_id="warm-up", max_new_tokens=2)
-        while _next_result(manager) is None:
-            pass
+        warm_up_samples = n  # every sample of the warm-up answers on its own: drain them all
+        while warm_up_samples:
+            warm_up_samples -= _next_result(manager) is not None
         return _drive(manager, workload, n)
 
 
