@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vmkv.bench.metrics import SLO, RequestRecord, RunMetrics, compute_metrics
-from vmkv.bench.workloads import BenchRequest, Workload
+from vmkv.bench.workloads import BenchRequest, Workload, rate_label
 from vmkv.engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, RequestRejected, SamplingParams
 
 MAX_TIMELINE_POINTS = 300
@@ -76,7 +76,7 @@ class RunResult:
 
     @property
     def rate_label(self) -> str:
-        return "inf" if math.isinf(self.rate) else f"{self.rate:g}"
+        return rate_label(self.rate)
 
 
 @dataclass

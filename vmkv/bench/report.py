@@ -20,6 +20,7 @@ from vmkv.bench.capacity import CapacityResult, format_bytes
 from vmkv.bench.kernels import KernelMatrix, cell_key
 from vmkv.bench.metrics import Distribution, RunMetrics
 from vmkv.bench.offline import EngineSummary, RunResult
+from vmkv.bench.workloads import rate_label
 
 MIB = 1 << 20
 
@@ -98,7 +99,7 @@ def _throughput(g: Group) -> str:
 
 
 def _rate(rate: float) -> str:
-    return "all at once" if math.isinf(rate) else f"{rate:g} req/s"
+    return "all at once" if math.isinf(rate) else f"{rate_label(rate)} req/s"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

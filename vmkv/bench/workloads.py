@@ -246,7 +246,8 @@ def parse_rates(text: str) -> list[float]:
 
 
 def rate_label(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
+    """Three significant digits: a trace's measured mean rate is not a round number."""
+    return "inf" if math.isinf(rate) else f"{rate:.3g}"
 
 
 # --------------------------------------------------------------------- traces
