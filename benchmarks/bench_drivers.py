@@ -67,8 +67,16 @@ class PageSizeCase:
         med = {k: statistics.median(v) * 1e6 for k, v in self.samples.items()}
         per_mib = (med["map"] + med["unmap"]) * MIB / self.page_size
         size = f"{self.page_size // MIB} MiB" if self.page_size >= MIB else f"{self.page_size // KIB} KiB"
-        values = [med["map"], med["map_os"], med["unmap"], med["unmap_os"], per_mib, med["map_fresh"],
-                  med["touch_resident"], med["touch_fresh"]]
+        values = [
+            med["map"],
+            med["map_os"],
+            med["unmap"],
+            med["unmap_os"],
+            per_mib,
+            med["map_fresh"],
+            med["touch_resident"],
+            med["touch_fresh"],
+        ]
         return [size, "yes" if self.populate else "no", *(f"{v:,.1f}" for v in values)]
 
 
@@ -131,8 +139,18 @@ def main() -> None:
 
     samples = rounds * iters
     print(f"HostDriver, medians of {samples} samples, microseconds\n")
-    header = ["page", "populate", "map", "of which OS", "unmap", "of which OS", "map+unmap per MiB",
-              "map (fresh page)", "first touch (resident)", "first touch (fresh)"]
+    header = [
+        "page",
+        "populate",
+        "map",
+        "of which OS",
+        "unmap",
+        "of which OS",
+        "map+unmap per MiB",
+        "map (fresh page)",
+        "first touch (resident)",
+        "first touch (fresh)",
+    ]
     print(table(header, [c.row() for c in cases]))
     print(f"\n2 MiB as {RunCase.COUNT} physically consecutive 64 KiB pages\n")
     print(table(["mapping", "map calls", "map", "unmap"], [c.row() for c in run_cases]))

@@ -75,8 +75,15 @@ def decode_cache(kind: str, batch: int, context: int) -> KVCache:
     else:
         layout = "token" if kind == "token-major" else "head"
         padding = 0.0 if kind == "per-sequence" else 1.5
-        cache = VAttentionKVCache(shape, max_len, budget, layout=layout, max_padding=padding,
-                                  background_mapping=False, max_slots=batch)
+        cache = VAttentionKVCache(
+            shape,
+            max_len,
+            budget,
+            layout=layout,
+            max_padding=padding,
+            background_mapping=False,
+            max_slots=batch,
+        )
     for i in range(batch):
         cache.admit(i, [0] * context)
     return cache
@@ -87,6 +94,7 @@ def attend_timer(cache: KVCache, plan: object, q: torch.Tensor, kv: torch.Tensor
         t0 = time.perf_counter()
         cache.attend(0, q, kv, kv, plan, SCALE)
         return (time.perf_counter() - t0) * 1e3
+
     return run
 
 
@@ -172,8 +180,12 @@ def loop_runs(configs: dict[str, dict], num_seqs: int, steps: int, rounds: int) 
     def one(name: str) -> Callable[[], float]:
         def run() -> float:
             options = configs[name]
-            page_set = options.get("page_size", 64 * KIB) * 2 * SMOL.num_layers * (
-                SMOL.num_kv_heads if options.get("layout") == "head" else 1)
+            page_set = (
+                options.get("page_size", 64 * KIB)
+                * 2
+                * SMOL.num_layers
+                * (SMOL.num_kv_heads if options.get("layout") == "head" else 1)
+            )
             budget = max(int(num_seqs * 400 * SMOL.bytes_per_token * 1.6), int(num_seqs * 1.25 * page_set))
             cache = VAttentionKVCache(SMOL, 1024, budget, max_slots=2 * num_seqs, **options)
             try:
@@ -181,6 +193,7 @@ def loop_runs(configs: dict[str, dict], num_seqs: int, steps: int, rounds: int) 
             finally:
                 cache.close()
             return 0.0
+
         return run
 
     interleaved({name: one(name) for name in configs}, rounds)
@@ -188,12 +201,34 @@ def loop_runs(configs: dict[str, dict], num_seqs: int, steps: int, rounds: int) 
 
 
 def loop_table(results: dict[str, dict[str, float]]) -> str:
-    rows = [[name, f"{r['step_ms']:.2f}", f"{r['step_p90_ms']:.2f}", f"{r['admit_ms']:.2f}",
-             f"{r['maps_critical']:.1f}", f"{r['maps_background']:.1f}", f"{r['faults']:.0f}",
-             f"{r['frag_mib']:.1f}", int(r["vmas"])]
-            for name, r in results.items()]
-    return table(["config", "grow+prepare ms (median)", "p90", "admit ms/step (mean)", "critical maps/step*",
-                  "background maps/step*", "minor faults/step*", "fragmentation MiB", "VMAs"], rows)
+    rows = [
+        [
+            name,
+            f"{r['step_ms']:.2f}",
+            f"{r['step_p90_ms']:.2f}",
+            f"{r['admit_ms']:.2f}",
+            f"{r['maps_critical']:.1f}",
+            f"{r['maps_background']:.1f}",
+            f"{r['faults']:.0f}",
+            f"{r['frag_mib']:.1f}",
+            int(r["vmas"]),
+        ]
+        for name, r in results.items()
+    ]
+    return table(
+        [
+            "config",
+            "grow+prepare ms (median)",
+            "p90",
+            "admit ms/step (mean)",
+            "critical maps/step*",
+            "background maps/step*",
+            "minor faults/step*",
+            "fragmentation MiB",
+            "VMAs",
+        ],
+        rows,
+    )
 
 
 # ------------------------------------------------------------------ 4. VMAs
@@ -204,20 +239,44 @@ def bench_vmas(num_seqs: int, length: int) -> str:
     rows = []
     for layout in ("token", "head"):
         budget = num_seqs * (length + 1024) * SMOL.bytes_per_token
-        cache = VAttentionKVCache(SMOL, length + 512, budget, max_slots=num_seqs, background_mapping=False,
-                                  populate=False, layout=layout)
+        cache = VAttentionKVCache(
+            SMOL,
+            length + 512,
+            budget,
+            max_slots=num_seqs,
+            background_mapping=False,
+            populate=False,
+            layout=layout,
+        )
         try:
             for i in range(num_seqs):
                 cache.admit(i, [0])
             for _ in range(length - 1):
                 for i in range(num_seqs):
                     cache.grow(i, [0])
-            rows.append([f"{layout}-major", f"{num_seqs} x {length}", int(cache.counters()["pages_mapped"]),
-                         num_seqs * cache.geometry.units, count_vmas(cache), limit])
+            rows.append(
+                [
+                    f"{layout}-major",
+                    f"{num_seqs} x {length}",
+                    int(cache.counters()["pages_mapped"]),
+                    num_seqs * cache.geometry.units,
+                    count_vmas(cache),
+                    limit,
+                ]
+            )
         finally:
             cache.close()
-    return table(["layout", "sequences x tokens", "pages mapped", "columns (slots x tensors x columns)",
-                  "VMAs", "vm.max_map_count"], rows)
+    return table(
+        [
+            "layout",
+            "sequences x tokens",
+            "pages mapped",
+            "columns (slots x tensors x columns)",
+            "VMAs",
+            "vm.max_map_count",
+        ],
+        rows,
+    )
 
 
 def main() -> None:
@@ -230,10 +289,24 @@ def main() -> None:
     torch.manual_seed(0)
     if args.quick:
         contexts, batches, rounds, seqs, steps, loop_rounds, vma = (
-            [128, 512, 2048], [1, 16, 64], 5, 16, 96, 2, 128)
+            [128, 512, 2048],
+            [1, 16, 64],
+            5,
+            16,
+            96,
+            2,
+            128,
+        )
     else:
         contexts, batches, rounds, seqs, steps, loop_rounds, vma = (
-            [128, 512, 2048, 8192], [1, 4, 16, 64], 9, 32, 240, 3, 256)
+            [128, 512, 2048, 8192],
+            [1, 4, 16, 64],
+            9,
+            32,
+            240,
+            3,
+            256,
+        )
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, SmolLM2-135M KV shapes (bf16)\n")
     print("## Decode attention per layer (ms, median)\n")
     print(bench_attention(contexts, batches, rounds), "\n")

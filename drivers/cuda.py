@@ -25,9 +25,7 @@ def _load_bindings() -> Any:
     try:
         from cuda.bindings import driver
     except ImportError as e:
-        raise DriverUnavailableError(
-            f"CudaDriver needs cuda-python (pip install 'vmkv[cuda]'): {e}"
-        ) from e
+        raise DriverUnavailableError(f"CudaDriver needs cuda-python (pip install 'vmkv[cuda]'): {e}") from e
     return driver
 
 
@@ -77,8 +75,9 @@ class CudaDriver(MemoryDriver):
 
     merges_runs = False
 
-    def __init__(self, num_pages: int, page_size: int | None = None, device: int = 0,
-                 debug: bool = False) -> None:
+    def __init__(
+        self, num_pages: int, page_size: int | None = None, device: int = 0, debug: bool = False
+    ) -> None:
         device = as_int(device, "device")
         page_size = None if page_size is None else as_int(page_size, "page_size")
         self._drv = _load_bindings()
@@ -97,13 +96,16 @@ class CudaDriver(MemoryDriver):
         try:
             with self._context():
                 granularity = self._call(
-                    "cuMemGetAllocationGranularity", self._alloc_prop(),
+                    "cuMemGetAllocationGranularity",
+                    self._alloc_prop(),
                     self._drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
                 )
                 page_size = granularity if page_size is None else page_size
                 if page_size <= 0 or page_size % granularity:
-                    raise ValueError(f"page_size must be a positive multiple of the CUDA allocation "
-                                     f"granularity {granularity}, got {page_size}")
+                    raise ValueError(
+                        f"page_size must be a positive multiple of the CUDA allocation "
+                        f"granularity {granularity}, got {page_size}"
+                    )
                 super().__init__(page_size, num_pages, debug)
                 self._create_pool()
         except BaseException:

@@ -35,8 +35,14 @@ DEFAULT_PAGE_SIZE = 64 * 1024
 def _load_libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_long]
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     libc.munmap.restype = ctypes.c_int
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.fallocate.restype = ctypes.c_int
@@ -76,8 +82,9 @@ class HostDriver(MemoryDriver):
         os_page = mmap.PAGESIZE
         page_size = as_int(page_size, "page_size")
         if page_size <= 0 or page_size % os_page:
-            raise ValueError(f"page_size must be a positive multiple of the OS page size {os_page}, "
-                             f"got {page_size}")
+            raise ValueError(
+                f"page_size must be a positive multiple of the OS page size {os_page}, got {page_size}"
+            )
         super().__init__(page_size, num_pages, debug)
         self.populate = populate
         self._fd = os.memfd_create("vmkv-pool", os.MFD_CLOEXEC)
@@ -106,12 +113,20 @@ class HostDriver(MemoryDriver):
 
     def _raw_map(self, addr: int, first_page: int, num_pages: int) -> None:
         flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
-        self._mmap(addr, num_pages * self.page_size, PROT_RW, flags, self._fd,
-                   first_page * self.page_size, "map")
+        self._mmap(
+            addr, num_pages * self.page_size, PROT_RW, flags, self._fd, first_page * self.page_size, "map"
+        )
 
     def _raw_unmap(self, addr: int, num_pages: int) -> None:
-        self._mmap(addr, num_pages * self.page_size, PROT_NONE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0, "unmap")
+        self._mmap(
+            addr,
+            num_pages * self.page_size,
+            PROT_NONE,
+            MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+            -1,
+            0,
+            "unmap",
+        )
 
     def _raw_view(self, addr: int, nbytes: int) -> torch.Tensor:
         buf = (ctypes.c_uint8 * nbytes).from_address(addr)

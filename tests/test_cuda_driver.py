@@ -212,8 +212,11 @@ class FakeCudaDriver:
         return (err,)
 
     def _in_reservation(self, ptr: int, size: int) -> bool:
-        return ptr % G == 0 and size % G == 0 and any(
-            b <= ptr and ptr + size <= b + s for b, s in self.reserved.items())
+        return (
+            ptr % G == 0
+            and size % G == 0
+            and any(b <= ptr and ptr + size <= b + s for b, s in self.reserved.items())
+        )
 
     def cuMemMap(self, ptr: int, size: int, offset: int, handle: Opaque, flags: int):
         err = self._enter("cuMemMap", ptr, size, offset, handle, flags)
@@ -247,8 +250,9 @@ def install_fake(monkeypatch: pytest.MonkeyPatch, fake_torch: bool = True) -> Fa
     monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", drv)
     if fake_torch:
-        monkeypatch.setattr(cuda_driver, "_init_torch_cuda",
-                            lambda index: drv.calls.append(Call("torch_init", (index,), "")))
+        monkeypatch.setattr(
+            cuda_driver, "_init_torch_cuda", lambda index: drv.calls.append(Call("torch_init", (index,), ""))
+        )
     return drv
 
 
@@ -259,9 +263,17 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCudaDriver:
 
 def test_construct_inits_torch_then_shares_primary_context_and_creates_pool(fake):
     drv = CudaDriver(3, device=1)
-    assert fake.names() == ["torch_init", "cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
-                            "cuCtxSetCurrent", "cuMemGetAllocationGranularity",
-                            "cuMemCreate", "cuMemCreate", "cuMemCreate"]
+    assert fake.names() == [
+        "torch_init",
+        "cuInit",
+        "cuDeviceGet",
+        "cuDevicePrimaryCtxRetain",
+        "cuCtxSetCurrent",
+        "cuMemGetAllocationGranularity",
+        "cuMemCreate",
+        "cuMemCreate",
+        "cuMemCreate",
+    ]
     assert fake.args_of("torch_init") == [(1,)]
     assert fake.args_of("cuDeviceGet") == [(1,)]
     assert fake.args_of("cuCtxSetCurrent") == [(fake.ctx,)]
@@ -308,8 +320,10 @@ def test_reserve_map_unmap_release_calls(fake):
     fake.calls.clear()
     drv.map(res, G, [2, 0])
     assert fake.names() == ["cuMemMap", "cuMemSetAccess", "cuMemMap", "cuMemSetAccess"]
-    assert fake.args_of("cuMemMap") == [(res.base + G, G, 0, handles[2], 0),
-                                        (res.base + 2 * G, G, 0, handles[0], 0)]
+    assert fake.args_of("cuMemMap") == [
+        (res.base + G, G, 0, handles[2], 0),
+        (res.base + 2 * G, G, 0, handles[0], 0),
+    ]
     for _ptr, size, descs, count in fake.args_of("cuMemSetAccess"):
         assert size == G and count == 1 and len(descs) == 1
         assert descs[0].location.type == CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -340,8 +354,14 @@ def test_close_unmaps_frees_and_releases_every_handle(fake):
     drv.map(res, G, drv.alloc(1))
     fake.calls.clear()
     drv.close()
-    assert fake.names() == ["cuMemUnmap", "cuMemAddressFree", "cuMemRelease", "cuMemRelease",
-                            "cuMemRelease", "cuDevicePrimaryCtxRelease"]
+    assert fake.names() == [
+        "cuMemUnmap",
+        "cuMemAddressFree",
+        "cuMemRelease",
+        "cuMemRelease",
+        "cuMemRelease",
+        "cuDevicePrimaryCtxRelease",
+    ]
     assert fake.args_of("cuMemUnmap") == [(res.base + G, G)]
     assert fake.args_of("cuMemAddressFree") == [(res.base, 2 * G)]
     assert [a[0] for a in fake.args_of("cuMemRelease")] == handles

@@ -28,6 +28,7 @@ def one_torch_thread():
     yield
     torch.set_num_threads(threads)
 
+
 @pytest.fixture(scope="module")
 def prompts(default_model_dir: Path) -> list[list[int]]:
     return chat_prompt_ids(load_tokenizer(default_model_dir), CHAT_PROMPTS[2:6])

@@ -287,8 +287,12 @@ def test_page_state_errors(driver):
 def test_reservation_errors(driver):
     res = driver.reserve(PS)
     driver.release(res)
-    for call in (lambda: driver.map(res, 0, driver.alloc(1)), lambda: driver.unmap(res, 0),
-                 lambda: driver.view(res, torch.uint8, (1,)), lambda: driver.release(res)):
+    for call in (
+        lambda: driver.map(res, 0, driver.alloc(1)),
+        lambda: driver.unmap(res, 0),
+        lambda: driver.view(res, torch.uint8, (1,)),
+        lambda: driver.release(res),
+    ):
         with pytest.raises(InvalidOffsetError):
             call()
     with HostDriver(num_pages=1, page_size=PS) as other:
@@ -364,9 +368,16 @@ def test_closed_driver_refuses_everything():
     d.close()
     d.close()  # idempotent
     assert d.closed and res.released
-    calls = [lambda: d.reserve(PS), lambda: d.alloc(1), lambda: d.free([0]), lambda: d.map(res, 0, [0]),
-             lambda: d.unmap(res, 0), lambda: d.view(res, torch.uint8, (1,)), lambda: d.is_mapped(res, 0, 1),
-             lambda: d.release(res)]
+    calls = [
+        lambda: d.reserve(PS),
+        lambda: d.alloc(1),
+        lambda: d.free([0]),
+        lambda: d.map(res, 0, [0]),
+        lambda: d.unmap(res, 0),
+        lambda: d.view(res, torch.uint8, (1,)),
+        lambda: d.is_mapped(res, 0, 1),
+        lambda: d.release(res),
+    ]
     for call in calls:
         with pytest.raises(DriverClosedError):
             call()
@@ -468,8 +479,14 @@ class DriverModel(RuleBasedStateMachine):
         self.views = [self.d.view(r, torch.uint8, (SLOTS, OS_PAGE)) for r in self.res]
         self.slots: list[dict[int, int]] = [{}, {}]
         self.allocated: set[int] = set()
-        self.expect = {"map_calls": 1, "unmap_calls": 1, "pages_mapped": 0, "peak_pages_mapped": NUM_PAGES,
-                       "exhaustion_events": 0, "pages_punched": 0}
+        self.expect = {
+            "map_calls": 1,
+            "unmap_calls": 1,
+            "pages_mapped": 0,
+            "peak_pages_mapped": NUM_PAGES,
+            "exhaustion_events": 0,
+            "pages_punched": 0,
+        }
 
     def teardown(self) -> None:
         if hasattr(self, "d"):

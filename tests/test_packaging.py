@@ -31,8 +31,9 @@ def probe(cwd: Path, extra_path: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if extra_path is not None:
         env["PYTHONPATH"] = str(extra_path)
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return dict(line.split(" ", 1) for line in out.stdout.splitlines())
 
@@ -55,8 +56,9 @@ def build_wheel(tmp_path: Path) -> Path:
         elif path.exists():
             shutil.copy(path, src / name)
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-    out = subprocess.run([*pip_wheel, "-w", str(tmp_path), "."], cwd=src, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [*pip_wheel, "-w", str(tmp_path), "."], cwd=src, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = tmp_path.glob("vmkv-*.whl")
     return wheel

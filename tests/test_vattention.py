@@ -335,8 +335,9 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(layout: str) -> None:
     parent, child = cache._slots[cache._seqs[1].slot], cache._slots[cache._seqs[2].slot]
     assert child.sets[:2] == parent.sets[:2] and child.sets[2] != parent.sets[2]
     assert all(cache.driver.map_count(cache.pool.physical(s, 0)) == 2 for s in parent.sets[:2])
-    assert all(torch.equal(a, b) for a, b in zip(stored(cache, 1, full + 5), stored(cache, 2, full + 5),
-                                                  strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(stored(cache, 1, full + 5), stored(cache, 2, full + 5), strict=True)
+    )
     cache.grow(1, [0])
     cache.grow(2, [0])
     write(cache, [SeqStep(1, full + 5, 1), SeqStep(2, full + 5, 1)], {1: 7.0, 2: 9.0})
@@ -473,12 +474,23 @@ class Lifecycle(RuleBasedStateMachine):
         self.next_id = 0
         self.strict = False
 
-    @initialize(layout=st.sampled_from(["token", "head"]), deferred=st.booleans(), mapper=st.booleans(),
-                eager=st.sampled_from([0, 0, 5, 40]), pad=st.sampled_from([0, 1]))
+    @initialize(
+        layout=st.sampled_from(["token", "head"]),
+        deferred=st.booleans(),
+        mapper=st.booleans(),
+        eager=st.sampled_from([0, 0, 5, 40]),
+        pad=st.sampled_from([0, 1]),
+    )
     def start(self, layout: str, deferred: bool, mapper: bool, eager: int, pad: int) -> None:
         self.strict = not (deferred or mapper or eager or pad)
-        self.cache = make_cache(num_sets=8, layout=layout, deferred_reclamation=deferred,
-                                background_mapping=mapper, eager_steps=eager, group_pad_pages=pad)
+        self.cache = make_cache(
+            num_sets=8,
+            layout=layout,
+            deferred_reclamation=deferred,
+            background_mapping=mapper,
+            eager_steps=eager,
+            group_pad_pages=pad,
+        )
 
     def teardown(self) -> None:
         if self.cache is not None:
@@ -512,8 +524,11 @@ class Lifecycle(RuleBasedStateMachine):
     def step(self, data: st.DataObject) -> None:
         """Write every unwritten reserved token of some sequences (a prefill chunk or a decode)."""
         chosen = data.draw(st.sets(st.sampled_from(self.resident()), min_size=1))
-        steps = [SeqStep(s, len(self.written[s]), self.lengths[s] - len(self.written[s]))
-                 for s in sorted(chosen) if self.lengths[s] > len(self.written[s])]
+        steps = [
+            SeqStep(s, len(self.written[s]), self.lengths[s] - len(self.written[s]))
+            for s in sorted(chosen)
+            if self.lengths[s] > len(self.written[s])
+        ]
         if not steps:
             return
         fill = {s.seq_id: float(self.next_id * 1000 + s.seq_id) for s in steps}
@@ -577,6 +592,7 @@ class Lifecycle(RuleBasedStateMachine):
                 assert torch.equal(kv[:, 0, 0], want if i < half else -want), (sid, kv[:, 0, 0], want)
 
 
-Lifecycle.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                       suppress_health_check=[HealthCheck.too_slow])
+Lifecycle.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_lifecycle = Lifecycle.TestCase

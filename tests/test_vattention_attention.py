@@ -39,8 +39,15 @@ def make_cache(kind: str, dtype: torch.dtype) -> KVCache:
     if kind == "contiguous":
         return ContiguousKVCache(shape, MAX_LEN, budget)
     layout, _, extra = kind.partition("-")
-    return VAttentionKVCache(shape, MAX_LEN, 4 * budget, page_size=4096, layout=layout.removeprefix("va_"),
-                             combined_reservation=extra == "combined", background_mapping=extra != "sync")
+    return VAttentionKVCache(
+        shape,
+        MAX_LEN,
+        4 * budget,
+        page_size=4096,
+        layout=layout.removeprefix("va_"),
+        combined_reservation=extra == "combined",
+        background_mapping=extra != "sync",
+    )
 
 
 class Driver:
@@ -73,8 +80,13 @@ class Driver:
                 self.values[s.seq_id][layer] = torch.cat([old_v, v[rows[i] : rows[i + 1]]])
             scale = 1 / math.sqrt(shape.head_dim)
             out = self.cache.attend(layer, q, k, v, plan, scale)
-            ref = reference_attention(q.cpu(), [self.keys[s.seq_id][layer].cpu() for s in steps],
-                                      [self.values[s.seq_id][layer].cpu() for s in steps], steps, scale)
+            ref = reference_attention(
+                q.cpu(),
+                [self.keys[s.seq_id][layer].cpu() for s in steps],
+                [self.values[s.seq_id][layer].cpu() for s in steps],
+                steps,
+                scale,
+            )
             errors.append((out.float().cpu() - ref).abs().max().item())
         return errors
 
@@ -130,8 +142,9 @@ def test_decode_steps_batch_consecutive_slots_and_stay_exact(kind: str) -> None:
 def test_decode_group_reads_only_mapped_memory(pad: int) -> None:
     """A batched decode reads every slot up to the group's longest context: all of it must be mapped."""
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    cache = VAttentionKVCache(shape, MAX_LEN, 1 << 20, page_size=4096, background_mapping=False,
-                              group_pad_pages=pad)
+    cache = VAttentionKVCache(
+        shape, MAX_LEN, 1 << 20, page_size=4096, background_mapping=False, group_pad_pages=pad
+    )
     driver = Driver(cache, 1)
     lengths = [3, 30, 31, 33, 64, 65, 100, 20]  # pages hold 32 tokens: groups must split at page ends
     driver.run([SeqStep(i, n, 1) for i, n in enumerate(lengths)])

@@ -62,8 +62,14 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache):
         self.max_padding = max_padding
         # Zero-filled so the masked padding a batched decode reads is never NaN garbage.
         self.kv = torch.zeros(
-            shape.num_layers, 2, num_slots, shape.num_kv_heads, max_len, shape.head_dim,
-            dtype=shape.dtype, device=self.device,
+            shape.num_layers,
+            2,
+            num_slots,
+            shape.num_kv_heads,
+            max_len,
+            shape.head_dim,
+            dtype=shape.dtype,
+            device=self.device,
         )
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot
         self._seqs: dict[int, _Seq] = {}

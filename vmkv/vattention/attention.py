@@ -114,8 +114,9 @@ def plan_step(
             plan.flash_decode = FlashDecode(
                 rows=torch.tensor([starts[i] for i in decodes], dtype=torch.int64, device=device),
                 slots=torch.tensor([slots[i] for i in decodes], dtype=torch.int32, device=device),
-                cache_seqlens=torch.tensor([steps[i].num_cached for i in decodes], dtype=torch.int32,
-                                           device=device),
+                cache_seqlens=torch.tensor(
+                    [steps[i].num_cached for i in decodes], dtype=torch.int32, device=device
+                ),
             )
     else:
         entries = [(slots[i], steps[i].context_len, readable[i]) for i in decodes]
@@ -143,8 +144,11 @@ def group_decodes(entries: list[tuple[int, int, int]], max_padding: float) -> li
         if groups:
             members = [entries[j] for j in groups[-1]] + [entries[i]]
             lmax = max(m[1] for m in members)
-            if (slot == members[-2][0] + 1 and lmax <= min(m[2] for m in members)
-                    and lmax * len(members) <= max_padding * sum(m[1] for m in members)):
+            if (
+                slot == members[-2][0] + 1
+                and lmax <= min(m[2] for m in members)
+                and lmax * len(members) <= max_padding * sum(m[1] for m in members)
+            ):
                 groups[-1].append(i)
                 continue
         groups.append([i])
@@ -152,7 +156,11 @@ def group_decodes(entries: list[tuple[int, int, int]], max_padding: float) -> li
 
 
 def _add_group(
-    plan: DenseSlotPlan, seqs: list[int], slots: list[int], steps: list[SeqStep], starts: list[int],
+    plan: DenseSlotPlan,
+    seqs: list[int],
+    slots: list[int],
+    steps: list[SeqStep],
+    starts: list[int],
     device: torch.device,
 ) -> None:
     """One batched call for a run of consecutive slots (or a single call for a lone sequence)."""
@@ -203,8 +211,13 @@ def attend_dense(
         else:
             qs = q[s.row_start : s.row_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             o = F.scaled_dot_product_attention(
-                qs, keys, values, attn_mask=s.causal_mask, is_causal=s.causal_mask is None,
-                scale=scale, enable_gqa=True,
+                qs,
+                keys,
+                values,
+                attn_mask=s.causal_mask,
+                is_causal=s.causal_mask is None,
+                scale=scale,
+                enable_gqa=True,
             )
             out[s.row_start : s.row_end] = o[0].transpose(0, 1)
     return out
@@ -226,18 +239,30 @@ def _attend_flash(
     fd = plan.flash_decode
     if fd is not None:
         o = flash_attn_with_kvcache(
-            q[fd.rows].unsqueeze(1), k_cache, v_cache, k=k[fd.rows].unsqueeze(1), v=v[fd.rows].unsqueeze(1),
-            cache_seqlens=fd.cache_seqlens, cache_batch_idx=fd.slots, softmax_scale=scale, causal=True,
+            q[fd.rows].unsqueeze(1),
+            k_cache,
+            v_cache,
+            k=k[fd.rows].unsqueeze(1),
+            v=v[fd.rows].unsqueeze(1),
+            cache_seqlens=fd.cache_seqlens,
+            cache_batch_idx=fd.slots,
+            softmax_scale=scale,
+            causal=True,
         )
         out[fd.rows] = o.squeeze(1)
     for s in plan.singles:
         rows = slice(s.row_start, s.row_end)
         n = s.row_end - s.row_start
         o = flash_attn_with_kvcache(
-            q[rows].unsqueeze(0), k_cache, v_cache, k=k[rows].unsqueeze(0), v=v[rows].unsqueeze(0),
+            q[rows].unsqueeze(0),
+            k_cache,
+            v_cache,
+            k=k[rows].unsqueeze(0),
+            v=v[rows].unsqueeze(0),
             cache_seqlens=torch.tensor([s.context_len - n], dtype=torch.int32, device=q.device),
             cache_batch_idx=torch.tensor([s.slot], dtype=torch.int32, device=q.device),
-            softmax_scale=scale, causal=True,
+            softmax_scale=scale,
+            causal=True,
         )
         out[rows] = o.squeeze(0)
     return out
@@ -257,7 +282,9 @@ def check_attend_args(
         raise ValueError(f"k and v must be {list(kv_shape)}, got {list(k.shape)} and {list(v.shape)}")
     heads_ok = q.dim() == 3 and q.shape[1] > 0 and q.shape[1] % shape.num_kv_heads == 0
     if not heads_ok or q.shape[0] != tokens or q.shape[2] != shape.head_dim:
-        raise ValueError(f"q must be [{tokens}, a multiple of {shape.num_kv_heads} heads, {shape.head_dim}], "
-                         f"got {list(q.shape)}")
+        raise ValueError(
+            f"q must be [{tokens}, a multiple of {shape.num_kv_heads} heads, {shape.head_dim}], "
+            f"got {list(q.shape)}"
+        )
     if k.dtype != shape.dtype or v.dtype != shape.dtype or q.dtype != shape.dtype:
         raise TypeError(f"q, k and v must be {shape.dtype}, got {q.dtype}, {k.dtype}, {v.dtype}")

@@ -134,8 +134,9 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
             budget_pages = min(budget_pages, kv_budget_bytes // page_size)
         num_sets = budget_pages // probe.units
         if num_sets < 1:
-            raise ValueError(f"a budget of {budget_pages} pages holds no page set "
-                             f"({probe.units} pages of {page_size} B)")
+            raise ValueError(
+                f"a budget of {budget_pages} pages holds no page set ({probe.units} pages of {page_size} B)"
+            )
         self._owns_driver = driver is None
         if driver is None and target.type == "cuda":
             driver = CudaDriver(num_sets * probe.units, page_size, device=target.index or 0)
@@ -165,9 +166,22 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
         self._seqs: dict[int, _Seq] = {}
         self._use_flash = cfg.use_flash_attn and flash_usable(self.device, shape.dtype)
         self._counts: dict[str, float] = dict.fromkeys(
-            ["map_calls_critical", "map_calls_background", "map_seconds_critical", "map_seconds_background",
-             "unmap_calls", "group_pad_page_sets", "page_sets_reused", "page_sets_reclaimed", "ahead_skipped",
-             "minor_faults", "fork_shared_pages", "fork_copied_pages", "swap_out_bytes", "swap_in_bytes"],
+            [
+                "map_calls_critical",
+                "map_calls_background",
+                "map_seconds_critical",
+                "map_seconds_background",
+                "unmap_calls",
+                "group_pad_page_sets",
+                "page_sets_reused",
+                "page_sets_reclaimed",
+                "ahead_skipped",
+                "minor_faults",
+                "fork_shared_pages",
+                "fork_copied_pages",
+                "swap_out_bytes",
+                "swap_in_bytes",
+            ],
             0,
         )
         self._closed = False
@@ -184,10 +198,13 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
                 self._placed.append((drv.reserve(geo.tensor_bytes), 0))
         placed = self._placed
         numel = geo.tensor_bytes // geo.itemsize
-        self._bytes = [drv.view(r, torch.uint8, [geo.tensor_bytes], off, require_mapped=False)
-                       for r, off in placed]
-        views = [geo.as_tensor(drv.view(r, self.shape.dtype, [numel], off, require_mapped=False))
-                 for r, off in placed]
+        self._bytes = [
+            drv.view(r, torch.uint8, [geo.tensor_bytes], off, require_mapped=False) for r, off in placed
+        ]
+        views = [
+            geo.as_tensor(drv.view(r, self.shape.dtype, [numel], off, require_mapped=False))
+            for r, off in placed
+        ]
         self._k, self._v = views[0::2], views[1::2]
 
     # ------------------------------------------------------------ lifecycle
@@ -284,8 +301,11 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
     def free_capacity(self) -> int:
         geo = self.geometry
         with self._lock:
-            room = sum(geo.tokens_backed(len(self._slots[s.slot].sets)) - s.length
-                       for s in self._seqs.values() if s.slot >= 0)
+            room = sum(
+                geo.tokens_backed(len(self._slots[s.slot].sets)) - s.length
+                for s in self._seqs.values()
+                if s.slot >= 0
+            )
             return self._available() * geo.page_size // geo.column_token_bytes + max(0, room)
 
     def usage(self) -> float:
@@ -327,8 +347,11 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
             if len(set(seq_ids)) != len(seq_ids):
                 raise ValueError("a sequence appears twice in one swap_out")
             for seq in seqs:
-                views = [view[seq.slot, : seq.length] for pair in zip(self._k, self._v, strict=True)
-                         for view in pair]
+                views = [
+                    view[seq.slot, : seq.length]
+                    for pair in zip(self._k, self._v, strict=True)
+                    for view in pair
+                ]
                 seq.host_kv = torch.stack([v.to("cpu", copy=True) for v in views])
                 self._release_slot(self._slots[seq.slot])
                 seq.slot = -1
@@ -348,8 +371,9 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
             if len(idle) < len(seqs):
                 raise OutOfKVMemory(len(seqs), len(idle), "slots")
             targets = idle[: len(seqs)]
-            missing = sum(max(0, geo.pages_for(q.length) - len(s.sets))
-                          for q, s in zip(seqs, targets, strict=True))
+            missing = sum(
+                max(0, geo.pages_for(q.length) - len(s.sets)) for q, s in zip(seqs, targets, strict=True)
+            )
             self._require(missing, exclude=targets)
             for seq_id, seq, slot in zip(seq_ids, seqs, targets, strict=True):
                 slot.seq_id = seq_id  # all targets first, so mapping one never reclaims another's pages
@@ -381,8 +405,10 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
             seqs = [self._resident(i) for i in ids]
             for s, seq in zip(batch.steps, seqs, strict=True):
                 if s.context_len > seq.length:
-                    raise ValueError(f"sequence {s.seq_id} writes up to token {s.context_len} "
-                                     f"but holds room for {seq.length}")
+                    raise ValueError(
+                        f"sequence {s.seq_id} writes up to token {s.context_len} "
+                        f"but holds room for {seq.length}"
+                    )
                 if self.config.debug:
                     self._assert_backed(self._slots[seq.slot], s.context_len)
             padding = self.config.group_pad_pages and not self._use_flash
@@ -455,9 +481,10 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
         geo = self.geometry
         decodes = [(s, seq) for s, seq in zip(batch.steps, seqs, strict=True) if s.num_new == 1]
         pad = self.config.group_pad_pages
-        entries = [(seq.slot, s.context_len + upcoming,
-                    geo.tokens_backed(len(self._slots[seq.slot].sets) + pad))
-                   for s, seq in decodes]
+        entries = [
+            (seq.slot, s.context_len + upcoming, geo.tokens_backed(len(self._slots[seq.slot].sets) + pad))
+            for s, seq in decodes
+        ]
         jobs = []
         for members in group_decodes(entries, self.config.max_padding):
             if len(members) > 1:
@@ -607,8 +634,9 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
         geo = self.geometry
         for res, base in self._placed:
             for c in range(geo.columns):
-                self.driver.assert_mapped(res, base + geo.page_offset(slot.index, c, 0),
-                                          num_tokens * geo.column_token_bytes)
+                self.driver.assert_mapped(
+                    res, base + geo.page_offset(slot.index, c, 0), num_tokens * geo.column_token_bytes
+                )
 
     def slot_pages(self, seq_id: int) -> int:
         """Pages per column mapped in the sequence's slot (tests and benchmarks)."""
