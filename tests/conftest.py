@@ -1,10 +1,13 @@
-"""Shared fixtures: the tiny stand-in model (built once per session) and the real default model."""
+"""Shared fixtures: the tiny stand-in model (built once per session), the real default model, and
+single-threaded torch for the modules that opt in."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from vmkv.model.store import pull_default_model
 from vmkv.model.tiny import build_tiny_model
@@ -20,3 +23,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def default_model_dir() -> Path:
     """SmolLM2-135M-Instruct, pulled into the user cache on first use (~93 MB download, then cached)."""
     return pull_default_model()
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Run single-threaded: small shapes gain nothing from a second thread, and on a busy 2-core
+    machine OpenMP barriers waiting for a descheduled thread made engine steps ~18x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -367,17 +367,10 @@ def test_prometheus_parsing_and_peer_urls() -> None:
 
 
 # ----------------------------------------------------------------- end to end
-@pytest.fixture
-def one_thread():  # noqa: ANN201
-    """Tiny models are dominated by thread hand-offs; one thread keeps the run short and steady."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_tiny_offline_bench_writes_json_markdown_and_plots(
-    tiny_model_dir: Path, tmp_path: Path, one_thread: None
+    tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None
 ) -> None:
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
@@ -428,7 +421,7 @@ def test_tiny_offline_bench_writes_json_markdown_and_plots(
     assert all((out / "plots" / p).stat().st_size > 1000 for p in pngs)
 
 
-def test_transformers_peer_runs_parallel_samples(tiny_model_dir: Path, one_thread: None) -> None:
+def test_transformers_peer_runs_parallel_samples(tiny_model_dir: Path, one_torch_thread: None) -> None:
     """n > 1: every sample of the warm-up and of each request is accounted to its own request."""
     config = EngineConfig(
         model=str(tiny_model_dir), dtype="float32", kv_budget_bytes=1 << 22, max_model_len=256

@@ -15,13 +15,7 @@ SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 MAX_LEN = 50
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from a second thread, and on a busy machine its barrier waits dominate."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_cache(slots: int = 3) -> ContiguousKVCache:

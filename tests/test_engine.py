@@ -35,14 +35,7 @@ def make_llm(model_dir: Path, kv_mode: str = "paged", **kwargs: object) -> LLM:
     return LLM(str(model_dir), **(options | kwargs))
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Run single-threaded: correctness does not need threads, and on a busy 2-core machine
-    OpenMP barriers waiting for a descheduled thread made steps ~18x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

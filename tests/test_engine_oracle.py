@@ -13,20 +13,10 @@ from vmkv.engine import LLM, SamplingParams
 from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
 from vmkv.model.store import load_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 MAX_TOKENS = 16
 FP32_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Run single-threaded: correctness does not need threads, and on a busy 2-core machine
-    OpenMP barriers waiting for a descheduled thread made steps ~18x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,7 @@ MAX_LEN = 200
 STRICT = {"background_mapping": False, "deferred_reclamation": False, "eager_steps": 0, "group_pad_pages": 0}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from a second thread, and on a busy machine its barrier waits dominate."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_cache(num_sets: int = 16, **options: object) -> VAttentionKVCache:

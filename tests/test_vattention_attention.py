@@ -24,13 +24,7 @@ NUM_Q_HEADS = 6  # GQA: 3 query heads per KV head
 MAX_LEN = 160
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from a second thread, and on a busy machine its barrier waits dominate."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_cache(kind: str, dtype: torch.dtype) -> KVCache:
