@@ -29,7 +29,7 @@ from transformers import AutoConfig, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from vmkv.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams
-from vmkv.engine.model_runner import LOGIT_SLICE
+from vmkv.engine.model_runner import LOGIT_SLICE, linear_in_slices
 from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
 from vmkv.kv_cache import KVMemory
 from vmkv.model.store import load_model, load_tokenizer, resolve_model
@@ -313,8 +313,7 @@ def lm_head(args: argparse.Namespace) -> None:
             torch.mm(x, weight.t(), out=out)
 
         def sliced(x: torch.Tensor = x, out: torch.Tensor = out) -> None:
-            for start in range(0, hf.vocab_size, LOGIT_SLICE):
-                torch.mm(x, weight[start : start + LOGIT_SLICE].t(), out=out[:, start : start + LOGIT_SLICE])
+            linear_in_slices(x, weight, out)
 
         times: dict[str, list[float]] = {"whole": [], "sliced": []}
         for _ in range(args.rounds):
