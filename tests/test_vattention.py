@@ -225,8 +225,10 @@ def test_deferred_pages_are_reclaimed_under_pressure_before_reporting_short() ->
 
 
 def test_pages_a_step_reads_are_not_reclaimed_until_the_next_step() -> None:
-    """Group padding maps surplus pages the batched call reads; pressure must not take them mid-step."""
-    cache = make_cache(num_sets=6, background_mapping=False, deferred_reclamation=False, group_pad_pages=1)
+    """Group padding maps surplus pages the batched SDPA call reads; pressure must not take them mid-step."""
+    cache = make_cache(
+        num_sets=6, background_mapping=False, deferred_reclamation=False, group_pad_pages=1, attention="sdpa"
+    )
     cache.admit(1, [0] * 33)  # 2 sets
     cache.admit(2, [0] * 20)  # 1 set, padded to 2 so slots 0 and 1 batch
     cache.grow(1, [0])

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from attention_reference import random_steps, reference_attention
 
+from vmkv import decode_kernel
 from vmkv.contiguous import ContiguousKVCache
+from vmkv.decode_kernel import load_decode_kernel
 from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
 from vmkv.vattention import VAttentionKVCache
 
@@ -41,6 +44,7 @@ def make_cache(kind: str, dtype: torch.dtype) -> KVCache:
         layout=layout.removeprefix("va_"),
         combined_reservation=extra == "combined",
         background_mapping=extra != "sync",
+        attention="sdpa" if extra == "sdpa" else "auto",
     )
 
 
@@ -97,7 +101,16 @@ class Driver:
         return self.step(steps)
 
 
-KINDS = ["contiguous", "va_token", "va_head", "va_token-combined", "va_head-sync"]
+KINDS = [
+    "contiguous",
+    "va_token",
+    "va_head",
+    "va_token-sdpa",
+    "va_head-sdpa",
+    "va_token-combined",
+    "va_head-sync",
+]
+SDPA_KINDS = ["contiguous", "va_token-sdpa", "va_head-sdpa"]  # decodes batched into SDPA groups
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -114,7 +127,7 @@ def test_attention_matches_reference(kind: str, mode: str, dtype: torch.dtype) -
         assert max(errors) < TOLERANCE[dtype], (kind, mode, seed, errors)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SDPA_KINDS)
 def test_decode_steps_batch_consecutive_slots_and_stay_exact(kind: str) -> None:
     """Several decode steps in a row: sequences of similar length share one batched call."""
     cache = make_cache(kind, torch.float32)
@@ -137,7 +150,13 @@ def test_decode_group_reads_only_mapped_memory(pad: int) -> None:
     """A batched decode reads every slot up to the group's longest context: all of it must be mapped."""
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     cache = VAttentionKVCache(
-        shape, MAX_LEN, 1 << 20, page_size=4096, background_mapping=False, group_pad_pages=pad
+        shape,
+        MAX_LEN,
+        1 << 20,
+        page_size=4096,
+        background_mapping=False,
+        group_pad_pages=pad,
+        attention="sdpa",
     )
     driver = Driver(cache, 1)
     lengths = [3, 30, 31, 33, 64, 65, 100, 20]  # pages hold 32 tokens: groups must split at page ends
@@ -155,6 +174,41 @@ def test_decode_group_reads_only_mapped_memory(pad: int) -> None:
     cache.close()
 
 
+@pytest.mark.parametrize("layout", ["token", "head"])
+def test_kernel_decodes_every_slot_in_one_call_without_padding_pages(layout: str) -> None:
+    """The kernel reads each slot only up to its own length: one call for all decodes, any
+    slot order or length spread, and no surplus pages mapped for grouping."""
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    cache = VAttentionKVCache(
+        shape, MAX_LEN, 1 << 20, page_size=4096, background_mapping=False, layout=layout
+    )
+    if cache._kernels is None or load_decode_kernel(torch.float32, NUM_Q_HEADS // 2, 16) is None:
+        pytest.skip("no C compiler here")
+    driver = Driver(cache, 2)
+    lengths = [3, 30, 31, 33, 64, 65, 100, 20]
+    errors = driver.run([SeqStep(i, n, 1) for i, n in enumerate(lengths)])
+    pages = cache.counters()["pages_mapped"]
+    for i in range(len(lengths)):
+        cache.grow(i, [1])
+    steps = [SeqStep(i, n + 1, 1) for i, n in enumerate(lengths)]
+    plan = cache.prepare(StepBatch.build(steps))
+    assert plan.kernel_decode is not None and not plan.groups and not plan.singles
+    assert cache.counters()["group_pad_page_sets"] == 0
+    errors += driver.step(steps)
+    assert cache.counters()["pages_mapped"] <= pages + len(lengths) * cache.geometry.units
+    cache.close()
+    assert max(errors) < TOLERANCE[torch.float32]
+
+
+def test_attention_is_selectable_and_checked() -> None:
+    shape = KVShape(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    sdpa = VAttentionKVCache(shape, MAX_LEN, 1 << 20, page_size=4096, attention="sdpa")
+    assert sdpa._kernels is None
+    sdpa.close()
+    with pytest.raises(ValueError, match="attention must be one of"):
+        VAttentionKVCache(shape, MAX_LEN, 1 << 20, page_size=4096, attention="flash-ish")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CudaDriver, SDPA or flash-attn)")
 @pytest.mark.parametrize("mode", ["prefill", "decode", "mixed"])
 def test_attention_on_gpu_matches_reference(mode: str) -> None:
@@ -166,3 +220,21 @@ def test_attention_on_gpu_matches_reference(mode: str) -> None:
     finally:
         cache.close()
     assert max(errors) < TOLERANCE[torch.bfloat16], errors
+
+
+def test_without_a_compiler_auto_falls_back_to_sdpa_and_cpu_kernel_refuses(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no kernel built earlier to fall back on
+    monkeypatch.setattr(decode_kernel, "_loaded", {})
+    auto = make_cache("va_head", torch.float32)
+    steps = [SeqStep(i, n, 1) for i, n in enumerate([5, 40, 41])]
+    assert max(Driver(auto, 3).run(steps)) < TOLERANCE[torch.float32]  # this step: one call per decode
+    assert auto.prepare(StepBatch.build(steps)).kernel_decode is None  # later steps: SDPA groups
+    auto.close()
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    strict = VAttentionKVCache(shape, MAX_LEN, 1 << 20, page_size=4096, attention="cpu_kernel")
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        Driver(strict, 3).run(steps)
+    strict.close()

@@ -5,14 +5,18 @@ Shared by the vattention layout (slots in virtual memory) and the contiguous bas
 views (any strides, last dim contiguous) and, per step, which slot each sequence has and
 how many of its leading tokens are backed by memory ("readable").
 
-Stock kernels run on views of those tensors, never on gathered copies:
-- decode sequences in consecutive slots are batched into one SDPA call over
-  [m, Hkv, Lmax, D] with a padding mask. The padded tail of a shorter sequence is read
-  (and masked), so a group only forms where every slot is readable up to Lmax;
-- every other sequence (prefill chunks, decodes that cannot join a group) gets its own
-  SDPA call on its exact [1, Hkv, len, D] view;
-- with flash-attn importable and the cache on a GPU, flash_attn_with_kvcache appends the
-  new K/V and attends in one call per step for decodes and one per prefill sequence.
+Decode sequences (one new token) take one of two routes, neither copying K/V:
+- the CPU decode kernel (vmkv/decode_kernel.py), given a `DecodeKernels`: one call per
+  layer for every decode sequence, reading each slot in place up to its own length (so
+  it never reads past a sequence's tokens and needs no padding or grouping);
+- stock SDPA ("sdpa"): decode sequences in consecutive slots are batched into one call
+  over [m, Hkv, Lmax, D] with a padding mask. The padded tail of a shorter sequence is
+  read (and masked), so a group only forms where every slot is readable up to Lmax; the
+  others get their own call. Running unmodified kernels on the virtual memory is the
+  point of the layout, so this stays selectable.
+Every other sequence (prefill chunks) gets one SDPA call on its exact [1, Hkv, len, D]
+view. With flash-attn importable and the cache on a GPU, flash_attn_with_kvcache appends
+the new K/V and attends in one call per step for decodes and one per prefill sequence.
 
 GQA without copying K/V: query head h reads KV head h // G (G = Hq / Hkv), so a decode
 query [Hq, D] is viewed as [Hkv, G, D]: G query rows against each KV head.
@@ -21,12 +25,16 @@ query [Hq, D] is viewed as [Hkv, G, D]: G query rows against each KV head.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from vmkv.decode_kernel import DecodeKernel, DecodePlan, dense_plan, load_decode_kernel
 from vmkv.kv_cache import KVShape, SeqStep, StepBatch
+
+log = logging.getLogger(__name__)
 
 FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
 
@@ -74,6 +82,37 @@ class FlashDecode:
     cache_seqlens: torch.Tensor  # int32 [B] tokens cached before this step
 
 
+class DecodeKernels:
+    """The CPU decode kernel for one cache, compiled per GQA group on first use.
+
+    `enabled` turns False (with a warning, from load_decode_kernel) the first time the kernel
+    cannot be had, so later plans take the SDPA route; with `required` that raises instead.
+    """
+
+    def __init__(self, dtype: torch.dtype, head_dim: int, required: bool = False) -> None:
+        self.dtype, self.head_dim, self.required = dtype, head_dim, required
+        self.enabled = True
+        self._kernels: dict[int, DecodeKernel | None] = {}
+
+    def get(self, group: int) -> DecodeKernel | None:
+        if group not in self._kernels:
+            self._kernels[group] = load_decode_kernel(self.dtype, group, self.head_dim)
+            self.enabled = self._kernels[group] is not None
+            if not self.enabled and self.required:
+                raise RuntimeError("the CPU decode kernel cannot be built here (the log says why)")
+        return self._kernels[group]
+
+
+@dataclass
+class KernelDecode:
+    """Every decode sequence of the step, attended by the CPU decode kernel."""
+
+    rows: torch.Tensor  # int64 [Bd] query rows
+    slots: list[int]  # for the SDPA fallback when the kernel turns out unavailable
+    lens: list[int]
+    plan: DecodePlan
+
+
 @dataclass
 class DenseSlotPlan:
     """Everything a layer's attend() needs, built once per step."""
@@ -85,6 +124,8 @@ class DenseSlotPlan:
     singles: list[SingleSeq]
     flash_decode: FlashDecode | None = None  # set on the flash-attn path instead of groups
     use_flash: bool = False
+    kernel_decode: KernelDecode | None = None  # set on the kernel path instead of groups
+    kernels: DecodeKernels | None = None
 
 
 def plan_step(
@@ -94,8 +135,15 @@ def plan_step(
     device: torch.device,
     max_padding: float = DEFAULT_MAX_PADDING,
     use_flash: bool = False,
+    kernels: DecodeKernels | None = None,
+    kv_view: torch.Tensor | None = None,
 ) -> DenseSlotPlan:
-    """Group the step's sequences for attention. readable[i]: tokens backed in slots[i]."""
+    """Group the step's sequences for attention. readable[i]: tokens backed in slots[i].
+
+    With enabled `kernels` (CPU), decodes go to the kernel, which reads slots of views with
+    kv_view's strides (every layer's K and V view must share them). Host work is O(batch)
+    plus O(new tokens) for the write positions.
+    """
     steps = batch.steps
     if len(slots) != len(steps) or len(readable) != len(steps):
         raise ValueError("need one slot and one readable length per sequence of the batch")
@@ -118,6 +166,20 @@ def plan_step(
                     [steps[i].num_cached for i in decodes], dtype=torch.int32, device=device
                 ),
             )
+    elif kernels is not None and kernels.enabled and decodes:
+        if kv_view is None:
+            raise ValueError("the decode kernel needs the K/V view's strides (kv_view)")
+        rows = [starts[i] for i in decodes]
+        lens = [steps[i].context_len for i in decodes]
+        slot_list = [slots[i] for i in decodes]
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        plan.kernels = kernels
+        plan.kernel_decode = KernelDecode(
+            rows_t.to(device),
+            slot_list,
+            lens,
+            dense_plan(rows_t, torch.tensor(lens), torch.tensor(slot_list), kv_view),
+        )
     else:
         entries = [(slots[i], steps[i].context_len, readable[i]) for i in decodes]
         for members in group_decodes(entries, max_padding):
@@ -194,6 +256,19 @@ def attend_dense(
     num_kv = k_cache.shape[2]
     group = q.shape[1] // num_kv
     out = torch.empty_like(q)
+    kd = plan.kernel_decode
+    if kd is not None:
+        kernel = plan.kernels.get(group)
+        if kernel is not None:
+            kernel(kd.plan, q.contiguous(), k_cache, v_cache, out, scale)
+        else:  # no compiler after all: this step's decodes one by one, later plans group them
+            for row, slot, length in zip(kd.rows.tolist(), kd.slots, kd.lens, strict=True):
+                keys = k_cache[slot, :length].transpose(0, 1).unsqueeze(0)
+                values = v_cache[slot, :length].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    q[row].view(1, num_kv, group, -1), keys, values, scale=scale
+                )
+                out[row] = o.reshape(num_kv * group, -1)
     for g in plan.groups:
         m, lmax = g.num_slots, g.max_len
         keys = k_cache[g.first_slot : g.first_slot + m, :lmax].transpose(1, 2)  # [m, Hkv, L, D] view

@@ -3,7 +3,8 @@
 Per layer, K and V are virtual tensors [max_slots, max_len, Hkv, D] (token- or head-major
 underneath, see geometry.py) reserved through a MemoryDriver. A sequence owns a slot;
 pages are mapped into it as it grows so that every token a step writes is backed, and
-attention runs stock kernels on views of the slots (attention.py).
+attention reads the slots in place: stock kernels on views of them, or the CPU decode
+kernel for decodes (attention.py).
 
 The vAttention optimisations, each a VAttentionConfig switch:
 - background_mapping: after prepare(), a thread maps the pages the next step will need
@@ -34,6 +35,7 @@ from vmkv.drivers import DEFAULT_PAGE_SIZE, CudaDriver, HostDriver, MemoryDriver
 from vmkv.kv_cache import KVCache, KVMemory, KVShape, OutOfKVMemory, StepBatch
 from vmkv.vattention.attention import (
     DEFAULT_MAX_PADDING,
+    DecodeKernels,
     DenseSlotPlan,
     attend_dense,
     check_attend_args,
@@ -57,6 +59,7 @@ def _minor_faults() -> int:
 # pages one step of growth would hold 16k tokens; token-major keeps that at 5.4k.
 AUTO_HEAD_MAJOR_MAX_PAGE = 64 * 1024
 CUDA_PAGE_SIZE = 2 * 1024 * 1024  # the cuMemCreate granularity on current GPUs
+ATTENTION_PATHS = ("auto", "cpu_kernel", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,10 @@ class VAttentionConfig:
     max_padding: float = DEFAULT_MAX_PADDING
     group_pad_pages: int = 1  # pages a decode may get beyond its needs to join a batched call
     use_flash_attn: bool = True  # flash_attn_with_kvcache when importable and on a GPU
+    # decode attention on the CPU: "cpu_kernel" (vmkv/decode_kernel.py, reads the slots in
+    # place), "sdpa" (stock kernels, unmodified, on the virtual memory), or "auto": the kernel
+    # where it can be built (bf16/fp16/fp32, head_dim a multiple of 16, a C compiler), else sdpa
+    attention: str = "auto"
     debug: bool = False  # verify every range a kernel reads is mapped
 
 
@@ -125,6 +132,8 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
             page_size = CUDA_PAGE_SIZE
         else:
             page_size = cfg.page_size
+        if cfg.attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {cfg.attention!r}")
         layout = cfg.layout
         if layout == "auto":  # measured in docs/vattention.md
             layout = "head" if page_size <= AUTO_HEAD_MAJOR_MAX_PAGE else "token"
@@ -165,6 +174,7 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
         self._slots = [_Slot(i) for i in range(geo.max_slots)]
         self._seqs: dict[int, _Seq] = {}
         self._use_flash = cfg.use_flash_attn and flash_usable(self.device, shape.dtype)
+        self._kernels = self._decode_kernels()
         self._counts: dict[str, float] = dict.fromkeys(
             [
                 "map_calls_critical",
@@ -186,6 +196,17 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
         )
         self._closed = False
         self._mapper = BackgroundMapper(self._run_job) if cfg.background_mapping else None
+
+    def _decode_kernels(self) -> DecodeKernels | None:
+        """The CPU decode kernel when the config asks for it and this cache can use it."""
+        mode, shape = self.config.attention, self.shape
+        if mode == "sdpa" or self._use_flash:
+            return None
+        if self.device.type != "cpu":
+            if mode == "cpu_kernel":
+                raise ValueError("the CPU decode kernel runs on the CPU only")
+            return None
+        return DecodeKernels(shape.dtype, shape.head_dim, required=mode == "cpu_kernel")
 
     def _reserve(self) -> None:
         """One reservation per tensor (or one for all), and their zero-copy views."""
@@ -411,7 +432,9 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
                     )
                 if self.config.debug:
                     self._assert_backed(self._slots[seq.slot], s.context_len)
-            padding = self.config.group_pad_pages and not self._use_flash
+            kernel = self._kernels is not None and self._kernels.enabled
+            # only batched SDPA reads past a sequence's tokens; the kernel and flash never do
+            padding = self.config.group_pad_pages and not self._use_flash and not kernel
             if padding and self._mapper is None:
                 for job in self._group_pad_jobs(batch, seqs, upcoming=0):
                     self._run_job(job, background=False)
@@ -429,7 +452,16 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
                     jobs.append(MapJob(slot.index, slot.generation, seq.length + ahead))
             if padding and self._mapper is not None:
                 jobs += self._group_pad_jobs(batch, seqs, upcoming=1)
-        plan = plan_step(batch, slots, readable, self.device, self.config.max_padding, self._use_flash)
+        plan = plan_step(
+            batch,
+            slots,
+            readable,
+            self.device,
+            self.config.max_padding,
+            self._use_flash,
+            self._kernels,
+            self._k[0],
+        )
         if self._mapper is not None and jobs:
             self._mapper.submit(jobs)
         self._counts["minor_faults"] += _minor_faults() - faults

@@ -1,0 +1,141 @@
+"""The CPU decode kernel against the naive fp32 reference, on every layout it reads in place.
+
+The same K/V is stored three ways: token-major slots, head-major slots (a padded head
+stride, as vattention's page-rounded columns have) and scattered paged blocks. Tolerances:
+fp32 2e-5 (reduction order); bf16/fp16 are compared with the reference on the same rounded
+values, so only rounding inside the kernel and of its output remains: 2e-2 / 4e-3 absolute
+for O(1) values. The AVX2 variant (-mno-avx512f) runs where the compiler targets x86, so
+CPUs without AVX-512 or AVX512-BF16 have their code path checked here too.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+from attention_reference import reference_attention
+
+from vmkv import decode_kernel
+from vmkv.decode_kernel import dense_plan, load_decode_kernel, paged_plan
+from vmkv.kv_cache import SeqStep
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+VARIANTS = [(), pytest.param(("-mno-avx512f",), marks=pytest.mark.skipif(not X86, reason="x86 only"))]
+BLOCK = 16
+
+
+def _kernel(
+    dtype: torch.dtype, group: int, head_dim: int, flags: tuple[str, ...]
+) -> decode_kernel.DecodeKernel:
+    kernel = load_decode_kernel(dtype, group, head_dim, flags)
+    if kernel is None:
+        pytest.skip("no C compiler here")
+    return kernel
+
+
+def _layouts(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator) -> dict[str, tuple]:
+    """(kind, K, V, table or None) holding sequences [B, L, Hkv, D] in slots 1..B or in blocks."""
+    b, length, h, d = k.shape
+    token = [torch.zeros(b + 2, length + 5, h, d, dtype=k.dtype) for _ in range(2)]
+    head = [torch.zeros(b + 2, h, length + 7, d, dtype=k.dtype) for _ in range(2)]
+    width = -(-length // BLOCK)
+    order = torch.randperm(b * width, generator=gen)
+    blocks = [torch.zeros(b * width, BLOCK, h, d, dtype=k.dtype) for _ in range(2)]
+    for src, t, hm, bl in zip((k, v), token, head, blocks, strict=True):
+        t[1 : b + 1, :length] = src
+        hm[1 : b + 1, :, :length] = src.transpose(1, 2)
+        padded = torch.zeros(b, width * BLOCK, h, d, dtype=k.dtype)
+        padded[:, :length] = src
+        bl[order] = padded.view(-1, BLOCK, h, d)
+    return {
+        "token-major": (token[0], token[1], None),
+        "head-major": (head[0].transpose(1, 2), head[1].transpose(1, 2), None),
+        "paged": (blocks[0], blocks[1], order.view(b, width).to(torch.int32)),
+    }
+
+
+def _check(dtype: torch.dtype, group: int, num_kv: int, head_dim: int, lens: list[int], flags: tuple) -> None:
+    kernel = _kernel(dtype, group, head_dim, flags)
+    gen = torch.Generator().manual_seed(sum(lens))
+    b, length = len(lens), max(lens)
+    rows = torch.randperm(b + 3, generator=gen)[:b]  # query rows anywhere in the packed batch
+    q = torch.randn(b + 3, num_kv * group, head_dim, generator=gen).to(dtype)
+    k = torch.randn(b, length, num_kv, head_dim, generator=gen).to(dtype)
+    v = torch.randn(b, length, num_kv, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    lens_t = torch.tensor(lens)
+    for name, (kc, vc, table) in _layouts(k, v, gen).items():
+        if table is None:
+            plan = dense_plan(rows, lens_t, torch.arange(1, b + 1), kc)
+        else:
+            plan = paged_plan(rows, lens_t, table, kc)
+        out = torch.full_like(q, 7.0)
+        kernel(plan, q, kc, vc, out, scale)
+        for i, row in enumerate(rows.tolist()):
+            n = lens[i]
+            ref = reference_attention(q[row : row + 1], [k[i, :n]], [v[i, :n]], [SeqStep(0, n - 1, 1)], scale)
+            err = (out[row].float() - ref[0]).abs().max().item()
+            assert err < TOLERANCE[dtype], (name, dtype, i, n, err)
+        untouched = sorted(set(range(b + 3)) - set(rows.tolist()))
+        assert (out[untouched] == 7.0).all(), name  # writes exactly its rows
+
+
+@pytest.mark.parametrize("flags", VARIANTS)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+@pytest.mark.parametrize(("group", "num_kv", "head_dim"), [(3, 3, 64), (1, 2, 16), (4, 1, 32)])
+def test_kernel_matches_reference_on_every_layout(
+    dtype: torch.dtype, group: int, num_kv: int, head_dim: int, flags: tuple
+) -> None:
+    """Odd lengths, lengths below one tile and one block, many sequences (no splitting)."""
+    _check(dtype, group, num_kv, head_dim, [1, 5, 16, 17, 33, 70, 2, 9, 31], flags)
+
+
+@pytest.mark.parametrize("flags", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_contexts_split_over_threads_and_combine(dtype: torch.dtype, flags: tuple) -> None:
+    """Few sequences with two threads: contexts are cut into pieces (not multiples of a tile
+    or block) whose softmax states are combined."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check(dtype, 3, 3, 64, [1001, 613], flags)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_kernel_refuses_a_plan_for_other_strides() -> None:
+    kernel = _kernel(torch.float32, 1, 16, ())
+    k = torch.zeros(2, 8, 1, 16)
+    plan = dense_plan(torch.tensor([0]), torch.tensor([3]), torch.tensor([0]), k)
+    other = torch.zeros(2, 1, 8, 16).transpose(1, 2)
+    with pytest.raises(ValueError, match="strides"):
+        kernel(plan, torch.zeros(1, 1, 16), other, other, torch.zeros(1, 1, 16), 1.0)
+
+
+def test_unsupported_shapes_and_missing_compiler_return_none_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert load_decode_kernel(torch.float32, 2, 8) is None  # head_dim not a multiple of 16
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no kernel built earlier to fall back on
+    monkeypatch.setattr(decode_kernel, "_loaded", {})
+    assert load_decode_kernel(torch.float32, 2, 16) is None
+    assert "no C compiler" in caplog.text
+
+
+def test_builds_are_cached_across_processes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A second process (simulated: the in-process table emptied) loads the built library."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(decode_kernel, "_loaded", {})
+    if load_decode_kernel(torch.float32, 1, 16) is None:
+        pytest.skip("no C compiler here")
+    built = list((tmp_path / "vmkv" / "kernels").glob("decode_*.so"))
+    assert len(built) == 1
+    monkeypatch.setattr(decode_kernel, "_loaded", {})
+    monkeypatch.setenv("CC", "no-such-compiler")  # it must not need the compiler again
+    assert load_decode_kernel(torch.float32, 1, 16) is not None

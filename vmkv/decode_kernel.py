@@ -1,0 +1,229 @@
+"""The CPU decode-attention kernel that reads every KV layout in place (source and design:
+decode_kernel_source.py).
+
+Built with the system C compiler (`cc -O3 -march=native -fopenmp`, ~1 s) the first time a
+shape is used, into `$XDG_CACHE_HOME/vmkv/kernels` (default `~/.cache`) under a hash of the
+source, the flags and this CPU's feature flags, so later processes load it in milliseconds
+and a cache directory shared by different CPUs never hands one the other's instructions.
+Without a compiler `load_decode_kernel` logs a warning that says why and returns None; the
+layouts then fall back to their torch paths.
+
+Per step a layout builds one plan (`dense_plan` or `paged_plan`: where each sequence's K/V
+lives, O(batch) host work); per layer it calls the kernel with that layer's K/V base. The
+OpenMP runtime is torch's own (the process already has libgomp loaded), so torch's thread
+count applies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vmkv.decode_kernel_source import SOURCE
+
+log = logging.getLogger(__name__)
+
+_DTYPE_MACROS = {torch.bfloat16: "KV_BF16", torch.float16: "KV_F16", torch.float32: "KV_F32"}
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
+# Contexts are split over threads only when (sequence, KV head) pairs are too few for the
+# cores, and never into pieces shorter than this (a piece's fixed cost is ~1 us).
+MIN_SPLIT_TOKENS = 256
+
+
+class _Plan(ctypes.Structure):
+    """plan_t in the C source; field order matters."""
+
+    _fields_ = [
+        ("rows", ctypes.c_void_p),
+        ("lens", ctypes.c_void_p),
+        ("seq_base", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("table_width", ctypes.c_int64),
+        ("num_seqs", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("block_stride", ctypes.c_int64),
+        ("token_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("min_split", ctypes.c_int64),
+    ]
+
+
+@dataclass
+class DecodePlan:
+    """Where one step's decode sequences keep their K/V, shared by every layer.
+
+    The C struct holds raw pointers into `tensors`, which this object keeps alive; `strides`
+    are the K/V strides it was built for (every layer's view must have them).
+    """
+
+    struct: _Plan
+    tensors: tuple[torch.Tensor, ...]
+    strides: tuple[int, ...]
+
+
+def _index(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return values.to("cpu", dtype).contiguous()
+
+
+def dense_plan(rows: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, view: torch.Tensor) -> DecodePlan:
+    """Sequences b in slots[b] of [slots, max_len, Hkv, D] views with view's strides (any
+    layout, last dim contiguous); query/output row rows[b], context lens[b]."""
+    slot_stride, token_stride, head_stride, last = view.stride()
+    if last != 1:
+        raise ValueError("the K/V view's last dimension must be contiguous")
+    rows, lens = _index(rows, torch.int64), _index(lens, torch.int32)
+    base = _index(slots, torch.int64) * slot_stride
+    struct = _Plan(
+        rows=rows.data_ptr(),
+        lens=lens.data_ptr(),
+        seq_base=base.data_ptr(),
+        num_seqs=len(rows),
+        token_stride=token_stride,
+        head_stride=head_stride,
+        num_kv_heads=view.shape[2],
+        min_split=MIN_SPLIT_TOKENS,
+    )
+    return DecodePlan(struct, (rows, lens, base), view.stride())
+
+
+def paged_plan(
+    rows: torch.Tensor, lens: torch.Tensor, tables: torch.Tensor, blocks: torch.Tensor
+) -> DecodePlan:
+    """Sequences b whose tokens t sit in blocks[tables[b, t // block_size]] of a
+    [num_blocks, block_size, Hkv, D] pool (last dim contiguous)."""
+    block_stride, token_stride, head_stride, last = blocks.stride()
+    if last != 1:
+        raise ValueError("the K/V blocks' last dimension must be contiguous")
+    rows, lens, tables = _index(rows, torch.int64), _index(lens, torch.int32), _index(tables, torch.int32)
+    struct = _Plan(
+        rows=rows.data_ptr(),
+        lens=lens.data_ptr(),
+        tables=tables.data_ptr(),
+        table_width=tables.shape[1],
+        num_seqs=len(rows),
+        block_size=blocks.shape[1],
+        block_stride=block_stride,
+        token_stride=token_stride,
+        head_stride=head_stride,
+        num_kv_heads=blocks.shape[2],
+        min_split=MIN_SPLIT_TOKENS,
+    )
+    return DecodePlan(struct, (rows, lens, tables), blocks.stride())
+
+
+@dataclass
+class DecodeKernel:
+    """The compiled kernel for one (dtype, GQA group, head_dim); call once per layer per step."""
+
+    function: ctypes._CFuncPtr
+    library: ctypes.CDLL  # kept alive as long as the function is
+    dtype: torch.dtype
+    group: int
+    head_dim: int
+
+    def __call__(
+        self,
+        plan: DecodePlan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """out[rows[b]] = attention of q[rows[b]] over sequence b's context in k/v.
+
+        q/out: contiguous [T, Hkv * group, head_dim]; k/v: this layer's views (slots or
+        blocks) with the plan's strides.
+        """
+        if k.stride() != plan.strides or v.stride() != plan.strides:
+            raise ValueError(f"K/V strides {k.stride()}, {v.stride()} differ from the plan's {plan.strides}")
+        status = self.function(
+            ctypes.byref(plan.struct),
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            out.data_ptr(),
+            scale,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise MemoryError("the CPU decode kernel could not allocate its work list")
+
+
+_loaded: dict[tuple, DecodeKernel | None] = {}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "vmkv" / "kernels"
+
+
+def _cpu_identity() -> str:
+    """The CPU's feature flags: a binary built with -march=native only runs where they match."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def _build(flags: list[str]) -> Path:
+    """Compile the kernel with these flags, or reuse an earlier build of the same source here."""
+    key = "\n".join([SOURCE, " ".join(flags), _cpu_identity()])
+    target = _cache_dir() / f"decode_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise FileNotFoundError("no C compiler found (install one or set CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / "decode.c"
+        src.write_text(SOURCE)
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *flags, "-o", str(built), str(src), "-lm"], check=True, capture_output=True, text=True
+        )
+        os.replace(built, target)  # atomic: concurrent builders leave one complete file
+    return target
+
+
+def load_decode_kernel(
+    dtype: torch.dtype, group: int, head_dim: int, extra_flags: tuple[str, ...] = ()
+) -> DecodeKernel | None:
+    """The kernel for this shape, built on first use; None (with a warning saying why) where it
+    cannot be: no compiler, a dtype it does not read, or a head_dim that is not a multiple of 16.
+
+    extra_flags reach the compiler (tests pass -mno-avx512f to run the AVX2 code path).
+    """
+    key = (dtype, group, head_dim, extra_flags)
+    if key in _loaded:
+        return _loaded[key]
+    kernel = None
+    if dtype not in _DTYPE_MACROS or head_dim % 16 or group < 1:
+        log.warning("no CPU decode kernel for %s, group %d, head_dim %d; using torch", dtype, group, head_dim)
+    else:
+        defines = [f"-D{_DTYPE_MACROS[dtype]}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]
+        try:
+            library = ctypes.CDLL(str(_build([*_FLAGS, *extra_flags, *defines])))
+            function = library.decode_attention
+            function.restype = ctypes.c_int
+            p = ctypes.c_void_p
+            function.argtypes = [p, p, p, p, p, ctypes.c_float, ctypes.c_int]
+            kernel = DecodeKernel(function, library, dtype, group, head_dim)
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
+            log.warning("CPU decode kernel unavailable, using torch: %s", detail)
+    _loaded[key] = kernel
+    return kernel

@@ -1,0 +1,355 @@
+"""C source of the CPU decode-attention kernel (built by vmkv/decode_kernel.py).
+
+One kernel reads every KV layout in place. A (sequence, KV head) pair's K row for token t
+lives at `base + t * token_stride + head * head_stride`, where base is the sequence's slot
+(dense layouts: vattention's virtual slots, head-major or token-major, and the contiguous
+baseline) or, for the paged layout, `table[t / block] * block_stride + (t % block) * ...`.
+So the same code serves all layouts and only the addressing differs.
+
+Work: one item per (sequence, context piece), every KV head. All G query heads of a KV head
+share one pass over its K and V (GQA). Long contexts with few items are split over the
+threads (flash-decoding) and the partial softmax states are combined afterwards.
+
+Per tile of V tokens (V = vector lanes: 16 with AVX-512, else 8):
+- scores: per token and query row, a vector of partial dot products (bf16 K with
+  AVX512-BF16: vdpbf16ps on the raw bf16 values, else K widened to fp32 and FMA), then one
+  transposing reduction tree turns the V x G vectors into G vectors of V scores;
+- online softmax in base 2 (scale * log2(e) folded into the scores), fp32;
+- P V: each V row widened to fp32 once and accumulated into all G rows (fp32).
+Shapes (G, head dim) are compile-time constants so the accumulators stay in registers.
+"""
+
+SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(KV_BF16) && HEAD_DIM % 32 == 0
+#include <immintrin.h>
+#define USE_DPBF16 1
+#endif
+
+/* V lanes per vector; rows are handled in chunks of 2V elements loaded as two vectors. */
+#if defined(__AVX512F__) && HEAD_DIM % 32 == 0
+#define V 16
+#else
+#define V 8
+#endif
+#define NP (HEAD_DIM / (2 * V))
+#define NC (2 * NP)  /* vectors per row */
+typedef float vf __attribute__((vector_size(V * 4)));
+typedef int32_t vi __attribute__((vector_size(V * 4)));
+typedef uint32_t vu __attribute__((vector_size(V * 4)));
+
+/* load2 reads elements [0, 2V) of p into two fp32 vectors. For bf16 the split is even /
+   odd elements: each 32-bit lane holds two bf16, and (lane << 16), (lane & 0xffff0000) are
+   the two as fp32 (2 ops for 2V elements). Other types split into halves. Accumulators keep
+   the same order; only pos() (the element a lane holds) knows it, for the final store. */
+#if defined(KV_BF16)
+typedef uint16_t kv_t;
+static inline void load2(const kv_t* p, vf* a, vf* b) {
+    vu raw; memcpy(&raw, p, sizeof raw);
+    const vu lo = raw << 16, hi = raw & 0xffff0000u;
+    memcpy(a, &lo, sizeof *a); memcpy(b, &hi, sizeof *b);
+}
+static inline int pos(int half, int lane) { return 2 * lane + half; }
+static inline kv_t store1(float f) {  /* round to nearest even; NaN stays NaN */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (kv_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (kv_t)(u >> 16);
+}
+#else
+#if defined(KV_F16)
+typedef _Float16 kv_t;
+typedef _Float16 vhf __attribute__((vector_size(V * 2)));
+static inline vf load_v(const kv_t* p) {
+    vhf raw; memcpy(&raw, p, sizeof raw); return __builtin_convertvector(raw, vf);
+}
+#else
+typedef float kv_t;
+static inline vf load_v(const kv_t* p) { vf r; memcpy(&r, p, sizeof r); return r; }
+#endif
+static inline void load2(const kv_t* p, vf* a, vf* b) { *a = load_v(p); *b = load_v(p + V); }
+static inline int pos(int half, int lane) { return half * V + lane; }
+static inline kv_t store1(float f) { return (kv_t)f; }
+#endif
+static inline void load_row(const kv_t* p, vf* r) {  /* r[NC] */
+    for (int c = 0; c < NP; c++) load2(p + c * 2 * V, &r[2 * c], &r[2 * c + 1]);
+}
+
+static inline vf splat(float x) { return (vf){} + x; }
+static inline vf select_v(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+static inline vf vmax(vf a, vf b) { return select_v(a > b, a, b); }
+static inline vf lane_ids(void) {
+    vf r; for (int i = 0; i < V; i++) r[i] = (float)i; return r;
+}
+
+/* 2^x for x <= 0 (relative error ~2e-7); exactly 0 below -126, so masked lanes vanish. */
+static inline vf exp2_v(vf x) {
+    const vi low = x < splat(-126.f);
+    x = select_v(low, splat(-126.f), x);
+    const vf n = (x + 12582912.f) - 12582912.f;  /* round to nearest */
+    const vf f = (x - n) * 0.69314718056f;        /* 2^(x-n) = e^f, |f| <= 0.35 */
+    vf p = splat(1.f / 720);
+    p = p * f + 1.f / 120; p = p * f + 1.f / 24; p = p * f + 1.f / 6;
+    p = p * f + 0.5f; p = p * f + 1.f; p = p * f + 1.f;
+    p = (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
+    return select_v(low, splat(0.f), p);
+}
+
+/* Lane i of the result = sum of all lanes of a[i]: a transposing tree, log2(V) levels. */
+#define SH(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+static inline vf reduce_rows(vf* a) {
+#if V == 16
+    vf b[8], c[4], d[2];
+    for (int j = 0; j < 8; j++)
+        b[j] = SH(a[2*j], a[2*j+1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SH(a[2*j], a[2*j+1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++)
+        c[j] = SH(b[2*j], b[2*j+1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + SH(b[2*j], b[2*j+1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        d[j] = SH(c[2*j], c[2*j+1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + SH(c[2*j], c[2*j+1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SH(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SH(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    vf b[4], c[2];
+    for (int j = 0; j < 4; j++)
+        b[j] = SH(a[2*j], a[2*j+1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + SH(a[2*j], a[2*j+1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int j = 0; j < 2; j++)
+        c[j] = SH(b[2*j], b[2*j+1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + SH(b[2*j], b[2*j+1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return SH(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) + SH(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+/* Lane 0 of the result = max / sum over all lanes (log2(V) shuffles, not V extracts). */
+#if V == 16
+#define FOLD(x, op) do { \
+    x = op(x, SH(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)); \
+    x = op(x, SH(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)); \
+    x = op(x, SH(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)); \
+    x = op(x, SH(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)); } while (0)
+#else
+#define FOLD(x, op) do { \
+    x = op(x, SH(x, x, 4, 5, 6, 7, 0, 1, 2, 3)); \
+    x = op(x, SH(x, x, 2, 3, 0, 1, 6, 7, 4, 5)); \
+    x = op(x, SH(x, x, 1, 0, 3, 2, 5, 4, 7, 6)); } while (0)
+#endif
+static inline vf add_v(vf a, vf b) { return a + b; }
+static inline float hmax(vf x) { FOLD(x, vmax); return x[0]; }
+static inline float hsum(vf x) { FOLD(x, add_v); return x[0]; }
+
+/* Per step: where every sequence's K/V lives; the same for every layer. Strides in elements. */
+typedef struct {
+    const int64_t* rows;     /* [B] query (and output) row of each sequence */
+    const int32_t* lens;     /* [B] context lengths */
+    const int64_t* seq_base; /* [B] dense layouts: element offset of token 0, head 0; else NULL */
+    const int32_t* tables;   /* [B, table_width] paged layout: block ids; else NULL */
+    int64_t table_width, num_seqs, block_size, block_stride, token_stride, head_stride;
+    int64_t num_kv_heads, min_split;
+} plan_t;
+
+typedef struct { float m[GROUP], l[GROUP]; float acc[GROUP][HEAD_DIM]; } partial_t;
+
+/* Offset (elements) of token t of sequence b, head 0. */
+typedef struct { const plan_t* p; int64_t b, base; int64_t blk, off; } cursor_t;
+static inline void cursor_start(cursor_t* c, const plan_t* p, int64_t b, int64_t t) {
+    c->p = p; c->b = b;
+    if (p->tables) { c->blk = t / p->block_size; c->off = t % p->block_size; }
+    else { c->base = p->seq_base[b] + t * p->token_stride; }
+}
+static inline int64_t cursor_next(cursor_t* c) {  /* offset of the current token, then advance */
+    const plan_t* p = c->p;
+    if (!p->tables) { const int64_t r = c->base; c->base += p->token_stride; return r; }
+    const int64_t block = p->tables[c->b * p->table_width + c->blk];
+    const int64_t r = block * p->block_stride + c->off * p->token_stride;
+    if (++c->off == p->block_size) { c->off = 0; c->blk++; }
+    return r;
+}
+
+/* Tokens [t0, t1) of sequence b, every KV head: unnormalised softmax states into st[h].
+   Heads are the inner loop of a tile, so a token-major or paged row (all heads of a token,
+   contiguous) is read whole and in order; each head's state waits in st (L1) meanwhile. */
+static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const kv_t* vc, int64_t b,
+                         int64_t t0, int64_t t1, float scale2, partial_t* st) {
+    const int64_t hkv = p->num_kv_heads;
+    for (int64_t h = 0; h < hkv; h++)
+        for (int g = 0; g < GROUP; g++) {
+            st[h].m[g] = -1e30f; st[h].l[g] = 0.f;
+            memset(st[h].acc[g], 0, sizeof st[h].acc[g]);
+        }
+    const vf lanes = lane_ids();
+    cursor_t cur; cursor_start(&cur, p, b, t0);
+    int64_t row[V], next[V];
+    for (int i = 0; i < V && t0 + i < t1; i++) next[i] = cursor_next(&cur);
+    for (int64_t t = t0; t < t1; t += V) {
+        const int n = t1 - t < V ? (int)(t1 - t) : V;
+        memcpy(row, next, sizeof row);
+        /* fetch the next tile while this one computes: paged blocks are scattered, and the
+           hardware prefetcher only finds a block's stream after its first lines */
+        for (int i = 0; i < V && t + V + i < t1; i++) {
+            next[i] = cursor_next(&cur);
+            for (int64_t h = 0; h < hkv; h++)
+                for (int c = 0; c < (int)(HEAD_DIM * sizeof(kv_t)); c += 64) {
+                    __builtin_prefetch((const char*)(kc + next[i] + h * p->head_stride) + c);
+                    __builtin_prefetch((const char*)(vc + next[i] + h * p->head_stride) + c);
+                }
+        }
+        const vi valid = lanes < splat((float)n);
+        for (int64_t h = 0; h < hkv; h++) {
+            const kv_t* qh = q + h * GROUP * HEAD_DIM;
+            const kv_t* kh = kc + h * p->head_stride;
+            const kv_t* vh = vc + h * p->head_stride;
+            vf part[GROUP][V];
+#ifdef USE_DPBF16
+            __m512bh qb[GROUP][HEAD_DIM / 32];
+            for (int g = 0; g < GROUP; g++)
+                for (int c = 0; c < HEAD_DIM / 32; c++)
+                    qb[g][c] = (__m512bh)_mm512_loadu_si512(qh + g * HEAD_DIM + c * 32);
+#else
+            vf qf[GROUP][NC];
+            for (int g = 0; g < GROUP; g++) load_row(qh + g * HEAD_DIM, qf[g]);
+#endif
+            for (int i = 0; i < V; i++) {
+                if (i >= n) { for (int g = 0; g < GROUP; g++) part[g][i] = splat(0.f); continue; }
+                const kv_t* kr = kh + row[i];
+#ifdef USE_DPBF16
+                __m512 d[GROUP];
+                for (int g = 0; g < GROUP; g++) d[g] = _mm512_setzero_ps();
+                for (int c = 0; c < HEAD_DIM / 32; c++) {
+                    const __m512bh kb = (__m512bh)_mm512_loadu_si512(kr + c * 32);
+                    for (int g = 0; g < GROUP; g++) d[g] = _mm512_dpbf16_ps(d[g], kb, qb[g][c]);
+                }
+                for (int g = 0; g < GROUP; g++) memcpy(&part[g][i], &d[g], sizeof(vf));
+#else
+                vf d[GROUP];
+                for (int g = 0; g < GROUP; g++) d[g] = splat(0.f);
+                vf k[NC];
+                load_row(kr, k);
+                for (int c = 0; c < NC; c++)
+                    for (int g = 0; g < GROUP; g++) d[g] += qf[g][c] * k[c];
+                for (int g = 0; g < GROUP; g++) part[g][i] = d[g];
+#endif
+            }
+            vf acc[GROUP][NC], pr[GROUP];
+            for (int g = 0; g < GROUP; g++) {
+                for (int c = 0; c < NC; c++) memcpy(&acc[g][c], st[h].acc[g] + c * V, sizeof(vf));
+                const vf s = select_v(valid, reduce_rows(part[g]) * scale2, splat(-1e30f));
+                const float mx = fmaxf(st[h].m[g], hmax(s));
+                if (mx > st[h].m[g]) {
+                    const float corr = exp2_v(splat(st[h].m[g] - mx))[0];
+                    for (int c = 0; c < NC; c++) acc[g][c] *= corr;
+                    st[h].l[g] *= corr;
+                    st[h].m[g] = mx;
+                }
+                pr[g] = exp2_v(s - mx);
+                st[h].l[g] += hsum(pr[g]);
+            }
+            for (int i = 0; i < n; i++) {
+                const kv_t* vr = vh + row[i];
+                vf vv[NC];
+                load_row(vr, vv);
+                for (int g = 0; g < GROUP; g++) {
+                    const vf w = splat(pr[g][i]);
+                    for (int c = 0; c < NC; c++) acc[g][c] += w * vv[c];
+                }
+            }
+            for (int g = 0; g < GROUP; g++)
+                for (int c = 0; c < NC; c++) memcpy(st[h].acc[g] + c * V, &acc[g][c], sizeof(vf));
+        }
+    }
+}
+
+/* The state's accumulators are in load_row's order; pos() maps them back to elements. */
+static void write_out(kv_t* o, const partial_t* st) {
+    for (int g = 0; g < GROUP; g++) {
+        const float inv = 1.f / st->l[g];
+        for (int j = 0; j < NC; j++)
+            for (int i = 0; i < V; i++)
+                o[g * HEAD_DIM + (j / 2) * 2 * V + pos(j % 2, i)] = store1(st->acc[g][j * V + i] * inv);
+    }
+}
+
+/* Attention of every sequence's query row over its context, for one layer.
+   q/out: [T, num_kv_heads * GROUP, HEAD_DIM] contiguous; kc/vc: the layer's K/V base.
+   Work items are (sequence, context piece); contexts are split only when sequences are
+   too few to keep every thread busy, and the pieces' states are then combined. */
+int decode_attention(const plan_t* p, const kv_t* q, const kv_t* kc, const kv_t* vc, kv_t* out, float scale,
+                     int num_threads) {
+    const int64_t hkv = p->num_kv_heads, q_row = hkv * GROUP * HEAD_DIM;
+    const float scale2 = scale * 1.44269504089f;  /* softmax in base 2 */
+    int64_t total = 0;
+    for (int64_t b = 0; b < p->num_seqs; b++) total += p->lens[b];
+    /* below ~4k (token, head) pairs waking threads costs more than the work */
+    if (total * hkv < 4096) num_threads = 1;
+    int64_t split = INT64_MAX;
+    if (num_threads > 1 && p->num_seqs < 4 * num_threads) {
+        split = (total + 4 * num_threads - 1) / (4 * num_threads);
+        split = split < p->min_split ? p->min_split : (split + V - 1) / V * V;
+    }
+    int64_t* first = malloc((p->num_seqs + 1) * sizeof(int64_t));  /* first item of each sequence */
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t b = 0; b < p->num_seqs; b++)
+        first[b + 1] = first[b] + (split == INT64_MAX ? 1 : (p->lens[b] + split - 1) / split);
+    const int64_t items = first[p->num_seqs];
+    partial_t* scratch = NULL;  /* [items, hkv] states when contexts are split */
+    if (items > p->num_seqs && !(scratch = malloc(items * hkv * sizeof(partial_t)))) {
+        free(first);
+        return -1;
+    }
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) if(num_threads > 1)
+    {
+        partial_t* own = scratch ? NULL : malloc(hkv * sizeof(partial_t));
+        if (!scratch && !own) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!scratch && !own) continue;
+            int64_t lo = 0, hi = p->num_seqs;  /* the sequence holding item it */
+            while (hi - lo > 1) {
+                const int64_t mid = (lo + hi) / 2;
+                if (first[mid] <= it) lo = mid; else hi = mid;
+            }
+            const int64_t b = lo, s = it - first[b], len = p->lens[b];
+            const int64_t t0 = scratch ? s * split : 0, t1 = scratch && t0 + split < len ? t0 + split : len;
+            partial_t* st = scratch ? scratch + it * hkv : own;
+            attend_range(p, q + p->rows[b] * q_row, kc, vc, b, t0, t1, scale2, st);
+            if (!scratch)
+                for (int64_t h = 0; h < hkv; h++)
+                    write_out(out + p->rows[b] * q_row + h * GROUP * HEAD_DIM, &st[h]);
+        }
+        free(own);
+        if (scratch) {
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t bh = 0; bh < p->num_seqs * hkv; bh++) {  /* combine the pieces */
+                const int64_t b = bh / hkv, h = bh % hkv;
+                partial_t st;
+                for (int g = 0; g < GROUP; g++) {
+                    float mx = -1e30f;
+                    for (int64_t it = first[b]; it < first[b + 1]; it++)
+                        mx = fmaxf(mx, scratch[it * hkv + h].m[g]);
+                    st.m[g] = mx; st.l[g] = 0.f;
+                    for (int d = 0; d < HEAD_DIM; d++) st.acc[g][d] = 0.f;
+                    for (int64_t it = first[b]; it < first[b + 1]; it++) {
+                        const partial_t* ps = &scratch[it * hkv + h];
+                        const float w = exp2f(ps->m[g] - mx);
+                        st.l[g] += w * ps->l[g];
+                        for (int d = 0; d < HEAD_DIM; d++) st.acc[g][d] += w * ps->acc[g][d];
+                    }
+                }
+                write_out(out + p->rows[b] * q_row + h * GROUP * HEAD_DIM, &st);
+            }
+        }
+    }
+    free(scratch);
+    free(first);
+    return failed ? -1 : 0;
+}
+"""
