@@ -1,10 +1,13 @@
 """The HTTP server end to end: a real uvicorn on a loopback port over the real engine and the
-tiny model, in every KV mode, driven by the `openai` client and by httpx."""
+tiny model, in every KV mode, with the engine in its own process (and once on a thread of the
+server), driven by the `openai` client and by httpx."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -22,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
-from vmkv.engine import AsyncLLM
+from vmkv.engine import AsyncLLM, AsyncProcessLLM
 from vmkv.engine.config import KV_MODES
 from vmkv.server import EngineClient, build_app
 
@@ -60,9 +63,10 @@ class LiveServer:
 class Served:
     url: str
     engine: EngineClient
+    kv_mode: str
 
     @property
-    def llm(self) -> AsyncLLM:
+    def llm(self) -> AsyncLLM | AsyncProcessLLM:
         return self.engine.llm
 
     def openai(self) -> openai.OpenAI:
@@ -74,17 +78,15 @@ class Served:
         while True:
             stats = self.llm.stats()
             idle = stats.num_running == 0 and stats.num_waiting == 0 and stats.num_swapped == 0
-            if idle and self.free_tokens() == self.llm.engine.capacity_tokens:
-                return self.free_tokens()
-            assert time.monotonic() < deadline, f"engine still busy: {stats}, free {self.free_tokens()}"
+            if idle and stats.free_tokens == self.llm.info.capacity_tokens:
+                return stats.free_tokens
+            assert time.monotonic() < deadline, f"engine still busy: {stats}"
             time.sleep(0.01)
 
-    def free_tokens(self) -> int:
-        return self.llm.engine.cache.free_capacity()
 
-
-def start_engine(model_dir: str, kv_mode: str) -> EngineClient:
-    llm = AsyncLLM(
+def start_engine(model_dir: str, kv_mode: str, in_process: bool = False) -> EngineClient:
+    front_door = AsyncLLM if in_process else AsyncProcessLLM
+    llm = front_door(
         model=model_dir,
         kv_mode=kv_mode,
         dtype="float32",
@@ -94,11 +96,16 @@ def start_engine(model_dir: str, kv_mode: str) -> EngineClient:
     return EngineClient(llm)
 
 
-@pytest.fixture(scope="module", params=KV_MODES)
+# Every layout behind the engine process (the server's default); the thread engine once.
+SERVED = [(kv_mode, False) for kv_mode in KV_MODES] + [("paged", True)]
+
+
+@pytest.fixture(scope="module", params=SERVED, ids=[f"{m}-{'thread' if t else 'process'}" for m, t in SERVED])
 def served(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Served]:
-    engine = start_engine(str(tiny_model_dir), request.param)
+    kv_mode, in_process = request.param
+    engine = start_engine(str(tiny_model_dir), kv_mode, in_process)
     with LiveServer(build_app(engine, MODEL)) as server:
-        yield Served(server.url, engine)
+        yield Served(server.url, engine, kv_mode)
     engine.shutdown()
 
 
@@ -203,7 +210,7 @@ def test_cache_salt_is_served_and_isolates_cached_prefixes(served: Served) -> No
     ]
     chat = {"messages": [{"role": "user", "content": prompt}], "cache_salt": "tenant-c"}
     prefix_hits("/v1/chat/completions", chat)  # chat takes a salt too
-    if served.llm.engine.config.kv_mode == "paged":
+    if served.kv_mode == "paged":
         assert hits[0] == hits[1] == 0 and hits[2] >= 32  # only the same salt finds tenant-a's blocks
     else:
         assert hits == [0, 0, 0]  # no prefix cache in this layout
@@ -512,11 +519,24 @@ def _crash(engine: EngineClient) -> None:
     engine.llm.engine.fail_all = explode
 
 
-@pytest.mark.parametrize(("stop", "reason"), [(_shut_down, None), (_crash, "kernel exploded")])
+def _kill(engine: EngineClient) -> None:
+    os.kill(engine.llm.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("in_process", "stop", "reason"),
+    [
+        (True, _shut_down, None),
+        (True, _crash, "kernel exploded"),
+        (False, _shut_down, None),
+        (False, _kill, "killed by signal 9"),
+    ],
+    ids=["thread-shutdown", "thread-crash", "process-shutdown", "process-sigkill"],
+)
 def test_dead_engine_answers_503_with_its_reason(
-    tiny_model_dir: Path, stop: Callable[[EngineClient], None], reason: str | None
+    tiny_model_dir: Path, in_process: bool, stop: Callable[[EngineClient], None], reason: str | None
 ) -> None:
-    engine = start_engine(str(tiny_model_dir), "contiguous")
+    engine = start_engine(str(tiny_model_dir), "contiguous", in_process)
     with (
         LiveServer(build_app(engine, MODEL)) as server,
         httpx.Client(base_url=server.url, timeout=10) as http,
@@ -582,7 +602,7 @@ def test_metrics_exposition(served: Served) -> None:
         "vattention": ("map_calls_critical", "map_calls_background", "pages_mapped"),
         "paged": ("blocks_allocated", "cow_copies"),
         "contiguous": ("slots_used",),
-    }[served.llm.engine.config.kv_mode]
+    }[served.kv_mode]
     for counter in expected_layout_counters:
         assert f"vmkv:kv_{counter}{label}" in samples, counter
 
@@ -594,7 +614,7 @@ FUZZ_MAX_MODEL_LEN = 32  # small limits keep every accepted fuzzed request short
 
 @pytest.fixture(scope="module")
 def fuzz_url(tiny_model_dir: Path) -> Iterator[str]:
-    llm = AsyncLLM(
+    llm = AsyncProcessLLM(
         model=str(tiny_model_dir),
         kv_mode="paged",
         dtype="float32",

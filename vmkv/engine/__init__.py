@@ -1,6 +1,7 @@
 """The serving engine: scheduler, model runner, sampler, and the LLM front doors."""
 
 from vmkv.engine.async_engine import AsyncLLM, EngineDead
+from vmkv.engine.async_process import AsyncProcessLLM, EngineStartError
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.llm import LLM
@@ -12,9 +13,11 @@ from vmkv.engine.sequence import FinishReason, RequestStatus
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "AsyncProcessLLM",
     "CompletionOutput",
     "EngineConfig",
     "EngineDead",
+    "EngineStartError",
     "EngineStats",
     "FinishReason",
     "LLMEngine",

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from vmkv.engine.config import EngineConfig
+from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.llm_engine import EngineStats, LLMEngine
 from vmkv.engine.outputs import RequestOutput
@@ -51,6 +52,14 @@ class AsyncLLM:
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
         return self.engine.tokenizer
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and check a request without touching engine state (raises RequestRejected)."""
+        return self.engine.validate(prompt, params)
 
     # ------------------------------------------------------------ requests
     async def generate(

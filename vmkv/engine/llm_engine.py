@@ -16,6 +16,7 @@ import torch
 
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.detokenizer import IncrementalDetokenizer
+from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.kv_factory import build_kv_cache
 from vmkv.engine.model_runner import ModelRunner
@@ -23,7 +24,8 @@ from vmkv.engine.outputs import RequestMetrics, RequestOutput
 from vmkv.engine.sampler import Sampler, SampleRow
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import ScheduledSeq, Scheduler
-from vmkv.engine.sequence import FinishReason, Sequence, SequenceGroup
+from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
+from vmkv.engine.stop_strings import find_stop
 from vmkv.kv_cache import KVMemory
 from vmkv.model.store import load_tokenizer, resolve_model
 
@@ -38,6 +40,7 @@ class EngineStats:
     num_running_seqs: int
     peak_running_seqs: int
     kv_usage: float
+    free_tokens: int  # tokens the KV cache could still take
     num_preemptions: int
     num_steps: int
     prompt_tokens: int  # prompt tokens computed (recomputation included)
@@ -49,7 +52,7 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_path)
@@ -58,10 +61,19 @@ class LLMEngine:
         if limit is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
         self.cache = build_kv_cache(config, self.runner.kv_shape, str(self.model_path))
-        self.capacity_tokens = self.cache.free_capacity()
         self.scheduler = Scheduler(config, self.cache)
         self.sampler = Sampler(config.seed, self.runner.device)
-        self.eos_token_ids = _eos_token_ids(self.runner.model, self.tokenizer)
+        self.info = EngineInfo(
+            model_path=str(self.model_path),
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            vocab_size=self.runner.vocab_size,
+            capacity_tokens=self.cache.free_capacity(),
+            eos_token_ids=_eos_token_ids(self.runner.model, self.tokenizer),
+        )
+        # False when the caller detokenizes (the API process, with the engine in its own
+        # process): samples then carry token ids only and stop strings are the caller's job.
+        self.detokenize = detokenize
         self._groups: dict[str, SequenceGroup] = {}
         self._group_of: dict[int, SequenceGroup] = {}  # seq_id -> its request
         self._next_seq_id = 0
@@ -111,11 +123,7 @@ class LLMEngine:
     ) -> tuple[str | None, list[int]]:
         """Tokenize and check a request without touching engine state (safe from any thread);
         returns (prompt text or None, prompt token ids) or raises RequestRejected."""
-        if not isinstance(params, SamplingParams):
-            raise RequestRejected(f"expected SamplingParams, got {type(params).__name__}")
-        text, prompt_ids = self._tokenize(prompt)
-        self._check_fits(len(prompt_ids), params)
-        return text, prompt_ids
+        return self.info.validate(self.tokenizer, prompt, params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV; returns its final output, None if it is not live."""
@@ -123,6 +131,22 @@ class LLMEngine:
         if group is None:
             return None
         self.scheduler.finish(group, FinishReason.ABORT)
+        return self._retire(group)
+
+    def stop_sample(self, request_id: str, index: int) -> RequestOutput | None:
+        """End sample `index` of a request with finish_reason stop, for a caller that found a stop
+        string in its text; frees the sample's KV. Returns the request's final output if that was
+        its last live sample, else None (also when the request or sample has already ended)."""
+        group = self._groups.get(request_id)
+        seq = next((s for s in group.live_seqs if s.index == index), None) if group else None
+        if seq is None:
+            return None
+        if len(group.live_seqs) > 1:
+            seq.finish_reason = FinishReason.STOP
+            if group.status is RequestStatus.RUNNING:
+                self.scheduler.release_finished(group)
+            return None
+        self.scheduler.finish(group, FinishReason.STOP)
         return self._retire(group)
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
@@ -190,6 +214,7 @@ class LLMEngine:
             num_running_seqs=self.scheduler.num_running_seqs,
             peak_running_seqs=self.peak_running_seqs,
             kv_usage=self.cache.usage(),
+            free_tokens=self.cache.free_capacity(),
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             prompt_tokens=self.prompt_tokens,
@@ -204,35 +229,6 @@ class LLMEngine:
         self.cache.close()
 
     # ------------------------------------------------------------- helpers
-    def _tokenize(self, prompt: str | SequenceABC[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
-        if not isinstance(prompt, SequenceABC):
-            raise RequestRejected(
-                f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}"
-            )
-        ids = list(prompt)
-        vocab = self.runner.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
-        return None, ids
-
-    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        if prompt_len == 0:
-            raise RequestRejected("the prompt is empty")
-        total = prompt_len + params.max_tokens
-        if total > self.config.max_model_len:
-            raise RequestRejected(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len {self.config.max_model_len}"
-            )
-        if params.n > self.config.max_num_seqs:
-            raise RequestRejected(f"n={params.n} exceeds max_num_seqs {self.config.max_num_seqs}")
-        if params.n * total > self.capacity_tokens:
-            raise RequestRejected(
-                f"{params.n} x {total} tokens can never fit the KV cache, which holds {self.capacity_tokens}"
-            )
-
     def _new_seq(self, group: SequenceGroup, token_ids: list[int], index: int) -> Sequence:
         seed = group.params.seed
         seq = Sequence(
@@ -242,7 +238,9 @@ class LLMEngine:
             prompt_len=len(group.prompt_token_ids),
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, group.prompt_token_ids, group.params.skip_special_tokens
-            ),
+            )
+            if self.detokenize
+            else None,
             # each sample draws from its own stream, so its tokens do not depend on the batch
             generator=None
             if seed is None
@@ -279,29 +277,21 @@ class LLMEngine:
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if not params.ignore_eos and token in self.info.eos_token_ids:
             seq.finish_reason = FinishReason.STOP
         elif token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif seq.num_output >= params.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
+        if seq.detokenizer is None:
+            return
         delta = seq.detokenizer.step(seq.token_ids, final=seq.finished)
         if not delta:
             return
         seq.text += delta
-        if params.stop:
-            self._check_stop_strings(seq, params.stop, len(delta))
-
-    @staticmethod
-    def _check_stop_strings(seq: Sequence, stops: list[str], delta_len: int) -> None:
-        """Cut the text at the earliest stop string that the new text completed."""
-        found = -1
-        for stop in stops:
-            at = seq.text.find(stop, max(0, len(seq.text) - delta_len - len(stop) + 1))
-            if at != -1 and (found == -1 or at < found):
-                found, seq.stop_reason = at, stop
-        if found != -1:
-            seq.text = seq.text[:found]
+        if params.stop and (stop := find_stop(seq.text, params.stop, len(delta))):
+            at, seq.stop_reason = stop
+            seq.text = seq.text[:at]
             seq.finish_reason = FinishReason.STOP
 
     def _retire(self, group: SequenceGroup) -> RequestOutput:

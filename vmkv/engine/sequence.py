@@ -14,6 +14,7 @@ import torch
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
+from vmkv.engine.stop_strings import stop_hold, visible_text
 
 
 class RequestStatus(enum.Enum):
@@ -44,7 +45,7 @@ class Sequence:
     index: int
     token_ids: list[int]
     prompt_len: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: the engine's caller detokenizes
     generator: torch.Generator | None
     num_computed: int = 0
     num_allocated: int = 0
@@ -92,8 +93,7 @@ class SequenceGroup:
     stop_hold: int = field(init=False)
 
     def __post_init__(self) -> None:
-        # While streaming, hold back as many characters as a stop string could still cover.
-        self.stop_hold = max((len(s) for s in self.params.stop), default=1) - 1
+        self.stop_hold = stop_hold(self.params.stop)
 
     @property
     def live_seqs(self) -> list[Sequence]:
@@ -115,15 +115,10 @@ class SequenceGroup:
     def output(self) -> RequestOutput:
         outputs = []
         for s in self.seqs:
-            text = (
-                s.text
-                if s.finished or self.stop_hold == 0
-                else s.text[: max(len(s.text) - self.stop_hold, 0)]
-            )
             outputs.append(
                 CompletionOutput(
                     index=s.index,
-                    text=text,
+                    text=visible_text(s.text, s.finished, self.stop_hold),
                     token_ids=s.token_ids[s.prompt_len :],
                     finish_reason=None if s.finish_reason is None else str(s.finish_reason),
                     stop_reason=s.stop_reason,

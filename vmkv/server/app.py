@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -48,13 +51,26 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    """An app serving `engine` under the name `served_model_name`.
+    """An app serving `engine` under the name `served_model_name`; the engine stops with the app.
 
     With `api_key`, the /v1 and tokenizer routes want `Authorization: Bearer <api_key>`;
     /health, /metrics and /version stay open for probes and scrapers.
     """
     serving = OpenAIServing(engine, served_model_name, ServingMetrics(served_model_name))
-    app = FastAPI(title="vmkv", version=package_version(), description="OpenAI-compatible LLM serving.")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Stop the engine while the server drains, before uvicorn re-raises the signal that
+        # stopped it (after which no `finally` of the caller would run).
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(
+        title="vmkv",
+        version=package_version(),
+        description="OpenAI-compatible LLM serving.",
+        lifespan=lifespan,
+    )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from vmkv.engine import AsyncLLM, CompletionOutput, EngineDead, EngineStats, SamplingParams
+from vmkv.engine import AsyncLLM, AsyncProcessLLM, CompletionOutput, EngineDead, EngineStats, SamplingParams
 
 
 class EngineDeadError(RuntimeError):
@@ -50,12 +50,14 @@ class _Sent:
 
 
 class EngineClient:
-    def __init__(self, llm: AsyncLLM) -> None:
+    """Over either front door: AsyncLLM (engine on a thread) or AsyncProcessLLM (its own process)."""
+
+    def __init__(self, llm: AsyncLLM | AsyncProcessLLM) -> None:
         self.llm = llm
         self.tokenizer: PreTrainedTokenizerBase = llm.tokenizer
-        self.max_model_len: int = llm.engine.config.max_model_len
-        self.vocab_size: int = min(len(self.tokenizer), llm.engine.runner.vocab_size)
-        self.model_path = str(llm.engine.model_path)
+        self.max_model_len: int = llm.info.max_model_len
+        self.vocab_size: int = min(len(self.tokenizer), llm.info.vocab_size)
+        self.model_path = llm.info.model_path
 
     def check_alive(self) -> None:
         """Raises EngineDeadError, saying why, once the engine has stopped (shut down, or its thread died)."""
@@ -64,7 +66,7 @@ class EngineClient:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises RequestRejected for a request the engine could never run; changes nothing."""
-        self.llm.engine.validate(prompt_ids, params)
+        self.llm.validate(prompt_ids, params)
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None

@@ -7,7 +7,7 @@ import os
 
 import uvicorn
 
-from vmkv.engine import AsyncLLM, EngineConfig
+from vmkv.engine import AsyncLLM, AsyncProcessLLM, EngineConfig, EngineStartError
 from vmkv.engine.config import DTYPES, KV_MODES, PREEMPTION_MODES
 from vmkv.model.store import DEFAULT_MODEL
 from vmkv.server.app import build_app
@@ -52,6 +52,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in its own process (default: faster, see docs/server.md); "
+        "--no-engine-process steps it on a thread of the server process",
+    )
     engine.add_argument("--kv-mode", choices=KV_MODES, default=defaults.kv_mode)
     engine.add_argument("--dtype", choices=list(DTYPES), default=defaults.dtype)
     engine.add_argument("--device", default=defaults.device)
@@ -98,7 +105,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def serve_main(args: argparse.Namespace) -> None:
     """Serve until interrupted; the engine is shut down (KV freed) on the way out."""
-    engine = EngineClient(AsyncLLM(engine_config(args)))
+    config = engine_config(args)
+    try:
+        llm = AsyncProcessLLM(config) if args.engine_process else AsyncLLM(config)
+    except EngineStartError as error:
+        raise SystemExit(f"vmkv: error: {error}") from error
+    engine = EngineClient(llm)
     app = build_app(
         engine, args.served_model_name or args.model, api_key=args.api_key, max_body_bytes=args.max_body_bytes
     )
@@ -106,5 +118,7 @@ def serve_main(args: argparse.Namespace) -> None:
         uvicorn.run(
             app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
         )
+    except KeyboardInterrupt:
+        pass  # Ctrl-C: uvicorn has drained and re-raised it; the engine is already stopped
     finally:
         engine.shutdown()

@@ -1,0 +1,160 @@
+"""The engine in its own process: same outputs as the engine that detokenizes itself, a clear
+error when it cannot start, and no process, socket or shared memory left behind however the
+server stops."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from vmkv.engine import LLM, AsyncProcessLLM, EngineStartError, RequestOutput, SamplingParams
+
+ENGINE = {"kv_mode": "paged", "dtype": "float32", "max_model_len": 128, "kv_budget_bytes": 8 << 20}
+PROMPTS = ["The capital of France is", "Once upon a time", [5, 6, 7, 8, 9]]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=24, stop=["e", "ou"]),  # stop strings, cut from the text
+    SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=16, logprobs=2),  # forks, seeds, logprobs
+    SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[65, 101], ignore_eos=True),
+]
+
+
+def summary(out: RequestOutput) -> list[tuple]:
+    return [
+        (s.index, s.text, s.token_ids, s.finish_reason, s.stop_reason, s.logprobs)
+        for s in sorted(out.outputs, key=lambda s: s.index)
+    ]
+
+
+def test_process_outputs_equal_the_engine_that_detokenizes_itself(tiny_model_dir: Path) -> None:
+    """Detokenization and stop strings move to the API process; the results must not change."""
+    offline = LLM(str(tiny_model_dir), **ENGINE)
+    expected = [summary(out) for out in offline.generate(PROMPTS, PARAMS)]
+    offline.close()
+
+    llm = AsyncProcessLLM(model=str(tiny_model_dir), **ENGINE)
+
+    async def last(prompt: str | list[int], params: SamplingParams) -> RequestOutput:
+        async for out in llm.generate(prompt, params):
+            final = out
+        return final
+
+    async def run_all() -> list[RequestOutput]:
+        return await asyncio.gather(*(last(p, s) for p, s in zip(PROMPTS, PARAMS, strict=True)))
+
+    try:
+        outputs = asyncio.run(run_all())
+    finally:
+        llm.shutdown()
+    assert [summary(out) for out in outputs] == expected
+    assert any(s.stop_reason in ("e", "ou") for s in outputs[0].outputs)  # the case is exercised
+    assert llm.dead_reason == "the engine has been shut down"
+
+
+def test_an_engine_that_cannot_start_says_why(tiny_model_dir: Path) -> None:
+    with pytest.raises(EngineStartError, match="could not start: ValueError: max_model_len 1000000 exceeds"):
+        AsyncProcessLLM(model=str(tiny_model_dir), **{**ENGINE, "max_model_len": 1_000_000})
+
+
+# ------------------------------------------------------------------------- the server's processes
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def wait_until(condition: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def engine_sockets() -> set[str]:
+    return {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines() if "@vmkv-" in line}
+
+
+@pytest.fixture
+def server(tiny_model_dir: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`vmkv serve` as a user starts it, on a free loopback port."""
+    port = free_port()
+    command = [sys.executable, "-m", "vmkv.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port)]
+    command += [
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--kv-budget-mib",
+        "8",
+        "--log-level",
+        "warning",
+    ]
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert process.poll() is None, "vmkv serve exited"
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(healthy, 120, "vmkv serve did not become healthy")
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_server_leaves_no_process_socket_or_shared_memory(
+    server: tuple[subprocess.Popen, str], signum: int
+) -> None:
+    process, url = server
+    shm_before = set(os.listdir("/dev/shm"))
+    [engine_pid] = children(process.pid)
+    assert engine_sockets(), "the engine's sockets should exist while it runs"
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+    assert (
+        httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["usage"]["completion_tokens"] == 4
+    )
+    process.send_signal(signum)
+    assert process.wait(timeout=30) in (0, -signum)  # uvicorn re-raises the signal once drained
+    wait_until(lambda: not alive(engine_pid), 15, "the engine process outlived the server")
+    assert not engine_sockets()
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_a_killed_server_takes_its_engine_along(server: tuple[subprocess.Popen, str]) -> None:
+    process, _ = server
+    [engine_pid] = children(process.pid)
+    process.kill()
+    process.wait()
+    wait_until(lambda: not alive(engine_pid), 15, "the engine process was orphaned")

@@ -1,0 +1,187 @@
+"""The engine-core process: one LLMEngine stepping as fast as it can, fed and drained over ZeroMQ.
+
+It owns the model, the KV cache and the scheduler, and does nothing per token but sample:
+no detokenization, no JSON, no HTTP. Between steps it takes every command that arrived
+(without waiting while it has work), and after a step it sends one message with every
+request's new token ids and the engine's stats. It exits when told to, on SIGTERM, or
+when the API process that started it is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+
+import msgspec
+import zmq
+
+from vmkv.engine.config import EngineConfig
+from vmkv.engine.errors import RequestRejected
+from vmkv.engine.ipc import (
+    Abort,
+    AddRequest,
+    Command,
+    EngineFailed,
+    Ready,
+    RequestUpdate,
+    SampleUpdate,
+    Shutdown,
+    StartFailed,
+    StepOutputs,
+    StopSample,
+    command_decoder,
+    encoder,
+    write_start_report,
+)
+from vmkv.engine.llm_engine import LLMEngine
+from vmkv.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+PARENT_CHECK_SECONDS = 1.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the engine process (`python -m vmkv.engine.engine_core`, started by
+    AsyncProcessLLM): build the engine, write Ready or StartFailed to the start-up pipe, serve
+    until shut down. The pipe stays open until this process ends, so the API process sees the
+    end of it as this process's death."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--commands", required=True, help="address of the commands socket")
+    parser.add_argument("--outputs", required=True, help="address of the outputs socket")
+    parser.add_argument("--ready-fd", type=int, required=True, help="write end of the start-up pipe")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="vmkv engine: %(message)s")
+    # Ctrl-C reaches the whole process group; the API process decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    _exit_with_parent(args.parent_pid)
+    ready = os.fdopen(args.ready_fd, "wb", buffering=0)
+    try:
+        engine = LLMEngine(msgspec.json.decode(args.config, type=EngineConfig), detokenize=False)
+    except BaseException as error:
+        write_start_report(ready, StartFailed(f"{type(error).__name__}: {error}"))
+        raise
+    core = EngineCore(engine, args.commands, args.outputs)
+    try:
+        write_start_report(ready, Ready(engine.info, engine.stats()))
+        core.run()
+    finally:
+        core.close()
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, commands_address: str, outputs_address: str) -> None:
+        self.engine = engine
+        self.context = zmq.Context()
+        self.commands = self.context.socket(zmq.PULL)
+        self.commands.bind(commands_address)
+        self.outputs = self.context.socket(zmq.PUSH)
+        self.outputs.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+        self.outputs.bind(outputs_address)
+        self.sent: dict[str, dict[int, int]] = {}  # request id -> sample index -> tokens sent
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.engine.has_unfinished_requests()
+            outputs = self.receive(wait=not busy)
+            if self.running and self.engine.has_unfinished_requests():
+                outputs += self.step()
+            self.send(outputs)
+
+    def receive(self, wait: bool) -> list[RequestOutput | RequestUpdate]:
+        """Apply every command that has arrived; block for the first one only if `wait`."""
+        outputs: list[RequestOutput | RequestUpdate] = []
+        flags = 0 if wait else zmq.NOBLOCK
+        while self.running:
+            try:
+                frame = self.commands.recv(flags, copy=False)
+            except zmq.Again:
+                break
+            for command in command_decoder.decode(frame.buffer):
+                outputs += self.apply(command)
+            flags = zmq.NOBLOCK
+        return outputs
+
+    def apply(self, command: Command) -> list[RequestOutput | RequestUpdate]:
+        engine = self.engine
+        match command:
+            case AddRequest(request_id, prompt_ids, params, cache_salt):
+                try:
+                    engine.add_request(request_id, prompt_ids, params, cache_salt)
+                except RequestRejected as error:
+                    return [RequestUpdate(request_id, [], finished=True, rejected=str(error))]
+                self.sent[request_id] = {}
+                return []
+            case Abort(request_id):
+                out = engine.abort_request(request_id)
+            case StopSample(request_id, index):
+                out = engine.stop_sample(request_id, index)
+            case Shutdown():
+                self.running = False
+                out = None
+        return [] if out is None else [out]
+
+    def step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as error:  # fail the requests in flight, keep serving
+            logger.exception("engine step failed")
+            try:
+                return self.engine.fail_all(f"engine step failed: {error!r}")
+            except Exception as cleanup:
+                reason = f"engine step failed ({error!r}) and cleanup failed ({cleanup!r})"
+                self.outputs.send(encoder.encode(EngineFailed(reason)))
+                raise
+
+    def send(self, outputs: list[RequestOutput | RequestUpdate]) -> None:
+        updates = [out if isinstance(out, RequestUpdate) else self.update(out) for out in outputs]
+        self.outputs.send(encoder.encode(StepOutputs(updates, self.engine.stats())), copy=False)
+
+    def update(self, out: RequestOutput) -> RequestUpdate:
+        """What is new in a request's cumulative output since the last message."""
+        sent = self.sent.pop(out.request_id, {}) if out.finished else self.sent[out.request_id]
+        samples = []
+        for sample in out.outputs:
+            start = sent.get(sample.index, 0)
+            sent[sample.index] = len(sample.token_ids)
+            samples.append(
+                SampleUpdate(
+                    sample.index,
+                    sample.token_ids[start:],
+                    None if sample.logprobs is None else sample.logprobs[start:],
+                    sample.finish_reason,
+                    sample.stop_reason if isinstance(sample.stop_reason, int) else None,
+                )
+            )
+        return RequestUpdate(out.request_id, samples, out.finished, error=out.error)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.context.destroy(linger=0)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Stop (as on SIGTERM) once the API process is gone, even if it was killed outright:
+    an orphaned engine would hold its KV memory and its cores forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_SECONDS)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="vmkv-parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""What a front door must know about a running engine to check requests without it.
+
+The engine-core process sends this once at start; the API process then validates every
+request itself, so a request that could never run is refused without a round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vmkv.engine.errors import RequestRejected
+from vmkv.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_path: str
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int  # the model's; token ids at or above it are refused
+    capacity_tokens: int  # tokens the KV cache holds when empty
+    eos_token_ids: frozenset[int]
+
+    def prompt_token_ids(
+        self, tokenizer: object, prompt: str | Sequence[int]
+    ) -> tuple[str | None, list[int]]:
+        """(prompt text or None, its token ids); raises RequestRejected for a malformed prompt."""
+        if isinstance(prompt, str):
+            return prompt, tokenizer(prompt).input_ids  # type: ignore[operator]
+        if not isinstance(prompt, Sequence):
+            raise RequestRejected(
+                f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}"
+            )
+        ids = list(prompt)
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raises RequestRejected if the request could never run on this engine."""
+        if prompt_len == 0:
+            raise RequestRejected("the prompt is empty")
+        total = prompt_len + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        if params.n > self.max_num_seqs:
+            raise RequestRejected(f"n={params.n} exceeds max_num_seqs {self.max_num_seqs}")
+        if params.n * total > self.capacity_tokens:
+            raise RequestRejected(
+                f"{params.n} x {total} tokens can never fit the KV cache, which holds {self.capacity_tokens}"
+            )
+
+    def validate(
+        self, tokenizer: object, prompt: str | Sequence[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Tokenize and check a request; returns (prompt text or None, prompt token ids)."""
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected(f"expected SamplingParams, got {type(params).__name__}")
+        text, prompt_ids = self.prompt_token_ids(tokenizer, prompt)
+        self.check_fits(len(prompt_ids), params)
+        return text, prompt_ids

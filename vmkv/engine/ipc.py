@@ -1,0 +1,129 @@
+"""The messages between the API process and the engine-core process, and their encoding.
+
+Two ZeroMQ sockets, both bound by the API process: commands go PUSH -> PULL to the engine,
+outputs come back PUSH -> PULL. Each message is one msgpack frame (msgspec, with the
+structs below as arrays, so field names are not sent): the API process sends a list of
+commands per event-loop turn, the engine one `StepOutputs` per step that changed
+something. Outputs carry only what is new since the last message, as token ids: the API
+process detokenizes.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+import uuid
+from typing import BinaryIO
+
+import msgspec
+
+from vmkv.engine.engine_info import EngineInfo
+from vmkv.engine.llm_engine import EngineStats
+from vmkv.engine.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+
+
+class StopSample(msgspec.Struct, tag=True, array_like=True):
+    """Sample `index` of a request met a stop string (only the API process sees text)."""
+
+    request_id: str
+    index: int
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+Command = AddRequest | Abort | StopSample | Shutdown
+
+
+class SampleUpdate(msgspec.Struct, array_like=True):
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | None  # a stop token id; stop strings are found by the API process
+
+
+class RequestUpdate(msgspec.Struct, array_like=True):
+    request_id: str
+    samples: list[SampleUpdate]
+    finished: bool
+    error: str | None = None  # the engine failed the request (finish_reason "error")
+    rejected: str | None = None  # the engine refused it at admission: nothing ran
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    updates: list[RequestUpdate]
+    stats: EngineStats
+
+
+class EngineFailed(msgspec.Struct, tag=True, array_like=True):
+    """The engine loop cannot go on; the process exits after sending this."""
+
+    reason: str
+
+
+Output = StepOutputs | EngineFailed
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Sent once through the start-up pipe: the engine is built and listening."""
+
+    info: EngineInfo
+    stats: EngineStats
+
+
+class StartFailed(msgspec.Struct, tag=True):
+    reason: str
+
+
+StartReport = Ready | StartFailed
+
+encoder = msgspec.msgpack.Encoder()
+command_decoder = msgspec.msgpack.Decoder(list[Command])
+output_decoder = msgspec.msgpack.Decoder(Output)
+start_decoder = msgspec.msgpack.Decoder(StartReport)
+LENGTH_BYTES = 8
+
+
+def write_start_report(pipe: BinaryIO, report: StartReport) -> None:
+    """One length-prefixed frame: the pipe stays open after it, so its end cannot mark the end."""
+    payload = encoder.encode(report)
+    pipe.write(len(payload).to_bytes(LENGTH_BYTES, "little") + payload)
+    pipe.flush()
+
+
+def read_start_report(fd: int, deadline: float) -> StartReport | None:
+    """The report from the start-up pipe, waiting until the monotonic `deadline`; None if the
+    pipe closed first (the engine process died) or the deadline passed."""
+    data = b""
+    while True:
+        if len(data) >= LENGTH_BYTES:
+            size = int.from_bytes(data[:LENGTH_BYTES], "little")
+            if len(data) >= LENGTH_BYTES + size:
+                return start_decoder.decode(data[LENGTH_BYTES : LENGTH_BYTES + size])
+        timeout = deadline - time.monotonic()
+        if timeout <= 0 or not select.select([fd], [], [], timeout)[0]:
+            return None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return None
+        data += chunk
+
+
+def new_addresses() -> tuple[str, str]:
+    """(commands, outputs) addresses in Linux's abstract socket namespace: no file to leak."""
+    base = f"ipc://@vmkv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    return f"{base}-commands", f"{base}-outputs"
