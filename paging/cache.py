@@ -98,6 +98,9 @@ class PagedKVCache(KVCache):
         self._slots = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self._blocks]
         self.attention = self._attention_path(attention)
         self._seqs: dict[int, PagedSequence] = {}
+        # every running sequence's block table as an int32 tensor of max_len's blocks, updated
+        # where the table changes, so prepare() stacks rows instead of converting lists
+        self._rows: dict[int, torch.Tensor] = {}
         self._counters = PagedCounters()
 
     def _attention_path(self, name: str) -> PagedAttentionPath:
@@ -157,6 +160,7 @@ class PagedKVCache(KVCache):
         while len(seq.block_table) < self._blocks_for(seq.num_tokens):
             seq.block_table.append(self.pool.allocate().block_id)
         seq.num_computed = min(len(hits) * self.block_size, seq.num_tokens - 1)
+        self._sync_row(seq, 0)
         if self.enable_prefix_caching:
             c = self._counters
             c.prefix_cache_queries += seq.num_tokens
@@ -186,6 +190,8 @@ class PagedKVCache(KVCache):
         if shared_last:
             self._copy_on_write(seq, len(seq.block_table) - 1)
         seq.block_table.extend(self.pool.allocate().block_id for _ in range(fresh))
+        if fresh or shared_last:  # a decode adds a block once per block_size steps
+            self._sync_row(seq, len(seq.block_table) - fresh - shared_last)
         seq.token_ids.extend(new)
         if self.enable_prefix_caching:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
@@ -200,11 +206,13 @@ class PagedKVCache(KVCache):
         for b in parent.block_table:
             self.pool.take(self.pool.blocks[b])
         self._seqs[child_id] = parent.copy(child_id)
+        self._rows[child_id] = self._rows[parent_id].clone()
 
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id}")
+        self._rows.pop(seq_id, None)
         self._release(seq)  # a swapped-out one holds no blocks; its host copy goes with it
 
     def free_capacity(self) -> int:
@@ -280,13 +288,15 @@ class PagedKVCache(KVCache):
                 taken.add(b.block_id)
             s.block_table = [b.block_id for b in blocks]
             s.swapped = None
+            self._sync_row(s, 0)
             self._recache(s)
         self._counters.swap_in_seconds += time.perf_counter() - start
 
     # -------------------------------------------------------------- a step
     def prepare(self, batch: StepBatch) -> PagedPlan:
+        """Host work is O(batch) plus O(tokens written): tables come as kept rows."""
         bs = self.block_size
-        tables, slots, seen = [], [], set()
+        tables, rows, slots, seen = [], [], [], set()
         for s in batch.steps:
             seq = self._running(s.seq_id)
             if s.seq_id in seen:
@@ -306,9 +316,10 @@ class PagedKVCache(KVCache):
                         "may only write blocks it owns alone"
                     )
             tables.append(table)
+            rows.append(self._rows[s.seq_id])
             slots.extend(table[p // bs] * bs + p % bs for p in range(s.num_cached, s.context_len))
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        return self.attention.plan(batch, tables, slot_mapping)
+        return self.attention.plan(batch, tables, slot_mapping, rows)
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PagedPlan, scale: float
@@ -328,12 +339,21 @@ class PagedKVCache(KVCache):
 
     def close(self) -> None:
         self._seqs.clear()
+        self._rows.clear()
         self.kv = torch.empty(0, dtype=self.shape.dtype, device=self.device)
         self._blocks, self._slots = [], []
 
     # -------------------------------------------------------------- helpers
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _sync_row(self, seq: PagedSequence, start: int) -> None:
+        """Copy seq.block_table[start:] into its row tensor (created on first use)."""
+        row = self._rows.get(seq.seq_id)
+        if row is None:
+            row = self._rows[seq.seq_id] = torch.zeros(self._blocks_for(self.max_len), dtype=torch.int32)
+            start = 0
+        row[start : len(seq.block_table)] = torch.tensor(seq.block_table[start:], dtype=torch.int32)
 
     def _admission_need(self, seq: PagedSequence, hits: list[Block], copy_last: bool) -> tuple[int, int]:
         """(blocks to allocate, blocks free for that) when admitting seq with these cache hits;

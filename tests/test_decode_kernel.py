@@ -18,6 +18,15 @@ import torch
 from attention_reference import reference_attention
 
 from vmkv import decode_kernel
+from vmkv.bench.kernels import (
+    BLOCK_TABLE,
+    IN_PLACE,
+    PAGED,
+    VIRTUAL,
+    AttentionShape,
+    available_kernels,
+    kernel_matrix,
+)
 from vmkv.decode_kernel import dense_plan, load_decode_kernel, paged_plan
 from vmkv.kv_cache import SeqStep
 
@@ -139,3 +148,14 @@ def test_builds_are_cached_across_processes(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setattr(decode_kernel, "_loaded", {})
     monkeypatch.setenv("CC", "no-such-compiler")  # it must not need the compiler again
     assert load_decode_kernel(torch.float32, 1, 16) is not None
+
+
+def test_kernel_matrix_lists_the_kernel_on_both_layouts() -> None:
+    if load_decode_kernel(torch.float32, 2, 16) is None:
+        pytest.skip("no C compiler here")
+    shape = AttentionShape(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    kernels = [k for k in available_kernels(torch.device("cpu")) if k.name == "vmkv cpu decode kernel"]
+    matrix = kernel_matrix(shape, contexts=(40,), batches=(2,), kernels=kernels, min_seconds=0.0)
+    for layout, status in ((VIRTUAL, IN_PLACE), (PAGED, BLOCK_TABLE)):
+        cell = matrix.cell("vmkv cpu decode kernel", layout)
+        assert cell.status == status and cell.max_error < 1e-5, cell

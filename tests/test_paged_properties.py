@@ -24,7 +24,7 @@ from vmkv.paging import PagedKVCache, prefix_cache
 
 from vmkv.kv_cache import KVShape, OutOfKVMemory, SeqStep, SequenceTooLong, StepBatch
 
-SHAPE = KVShape(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+SHAPE = KVShape(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.float32)  # the CPU kernel runs
 BLOCK_SIZE, NUM_BLOCKS, MAX_LEN, Q_HEADS = 4, 12, 32, 2
 SCALE = 0.5
 

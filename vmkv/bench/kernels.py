@@ -8,6 +8,7 @@ Two layouts hold the same K/V:
   per-sequence block tables.
 
 For each kernel and layout the matrix says whether the kernel runs on it unmodified,
+reads it in place (vmkv's CPU decode kernel: strided views or a block table, no copy),
 needs a block table, runs only after gathering the KV into a dense copy (timed with the
 copy), or does not run; its largest error against an fp32 reference; and its time per
 call for one decode step (one query token per sequence) across context lengths and batch
@@ -26,12 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from vmkv.decode_kernel import DecodeKernel, dense_plan, load_decode_kernel, paged_plan
 from vmkv.drivers import DEFAULT_PAGE_SIZE, CudaDriver, HostDriver, MemoryDriver
 from vmkv.kv_cache import SeqStep, StepBatch
 from vmkv.paging.attention import BatchedAttention
-from vmkv.paging.cpu_kernel import load_decode_kernel
 
 UNMODIFIED = "runs unmodified"
+IN_PLACE = "reads it in place"
 BLOCK_TABLE = "needs a block table"
 GATHER = "needs a gather copy"
 DOES_NOT_RUN = "does not run"
@@ -178,15 +180,24 @@ PagedCall = Callable[
 ]
 
 
+InPlaceCall = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, float],
+    Callable[[], torch.Tensor],
+]
+
+
 @dataclass(frozen=True)
 class Kernel:
     """dense(q, k, v, lens, scale) reads [B, >=L, Hkv, D] views (any strides, last dim contiguous);
     paged(q, k_blocks, v_blocks, tables, lens, scale) returns the per-call closure, so that per-step
-    preparation (plans, index tensors) stays outside the timed call, as in an engine step."""
+    preparation (plans, index tensors) stays outside the timed call, as in an engine step;
+    in_place(q, k, v, tables or None, lens, scale) does the same for a kernel that reads either
+    layout directly (tables None: k/v are the dense views)."""
 
     name: str
     dense: DenseCall | None = None
     paged: PagedCall | None = None
+    in_place: InPlaceCall | None = None
     missing: str | None = None  # why it is not installed here
 
 
@@ -272,27 +283,28 @@ def _vmkv_paged_torch(
     return lambda: path.forward(q, new_kv, new_kv, k_blocks, v_blocks, plan, scale)
 
 
-def _vmkv_paged_cpu(
+def _vmkv_cpu_kernel(
     q: torch.Tensor,
-    k_blocks: torch.Tensor,
-    v_blocks: torch.Tensor,
-    tables: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: torch.Tensor | None,
     lens: torch.Tensor,
     scale: float,
 ) -> Callable[[], torch.Tensor]:
-    """The paged layout's compiled CPU decode kernel: reads blocks in place, gathers nothing."""
+    """vmkv's CPU decode kernel (what both layouts run on a CPU): reads the views or the blocks
+    in place, gathers nothing."""
     if q.device.type != "cpu":
-        raise RuntimeError("the compiled paged kernel runs on the CPU only")
-    _, block_size, h, d = k_blocks.shape
-    kernel = load_decode_kernel(k_blocks.dtype, h, q.shape[1] // h, d, block_size)
+        raise RuntimeError("the CPU decode kernel runs on the CPU only")
+    kernel: DecodeKernel | None = load_decode_kernel(k.dtype, q.shape[1] // k.shape[2], k.shape[3])
     if kernel is None:
-        raise RuntimeError("the compiled paged kernel could not be built here")
+        raise RuntimeError("the CPU decode kernel could not be built here")
     q = q.contiguous()
-    rows = torch.arange(q.shape[0], dtype=torch.int64)
+    rows = torch.arange(q.shape[0])
+    plan = dense_plan(rows, lens, rows, k) if tables is None else paged_plan(rows, lens, tables, k)
     out = torch.empty_like(q)
 
     def call() -> torch.Tensor:
-        kernel(q, k_blocks, v_blocks, tables, lens, rows, out, scale)
+        kernel(plan, q, k, v, out, scale)
         return out
 
     return call
@@ -316,7 +328,7 @@ def available_kernels(device: torch.device) -> list[Kernel]:
     kernels += [
         Kernel("flex attention (eager)", dense=_flex),
         Kernel("vmkv paged: gather + sdpa", paged=_vmkv_paged_torch),
-        Kernel("vmkv paged: compiled cpu", paged=_vmkv_paged_cpu),
+        Kernel("vmkv cpu decode kernel", in_place=_vmkv_cpu_kernel),
     ]
     return kernels
 
@@ -381,6 +393,10 @@ def _plan_call(
     """How `kernel` runs on `layout` for this case: (status, zero-argument call or None)."""
     q, lens, scale = case.q, case.lens, case.scale
     context = case.k.shape[1]
+    if kernel.in_place is not None:
+        if layout == VIRTUAL:
+            return IN_PLACE, kernel.in_place(q, *virtual.views, None, lens, scale)
+        return BLOCK_TABLE, kernel.in_place(q, *paged.blocks, paged.tables, lens, scale)
     if layout == VIRTUAL:
         if kernel.dense is not None:
             k, v = virtual.views
