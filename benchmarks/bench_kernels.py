@@ -1,0 +1,195 @@
+"""Decode and prefill attention per layer on both layouts, against the memory roofline.
+
+The roofline of a decode call is the K/V bytes it must read (batch x context x 768 B for
+SmolLM2-135M's 3 KV heads x 64 x bf16, K and V) divided by this machine's copy bandwidth
+(2 x bytes / time of a 256 MiB tensor copy, the STREAM convention), measured in the same
+rounds as the kernels. Every column runs once per round, rounds interleave (A B A B ...)
+so drift on a shared machine hits all columns alike, and the tables show medians of one
+`attend` call of layer 0 (Python overhead included: the engine makes one per layer per
+step). Columns:
+
+- vattention kernel (head-/token-major): the CPU decode kernel on the virtual slots;
+- vattention sdpa: stock SDPA on the same virtual memory (attention="sdpa", head-major);
+- paged kernel / paged torch: the CPU decode kernel through the block table, and
+  gather + SDPA (blocks scattered as after a long run).
+
+Prefill: one new 1,000-token prompt, and the second 500-token chunk of one, per layout.
+Prepare: host time of prepare() for a batch-64 decode step at two contexts (it should not
+grow with the context).
+
+    python benchmarks/bench_kernels.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from vmkv.paging import PagedKVCache
+
+from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
+from vmkv.vattention import VAttentionKVCache
+
+KV_HEADS, Q_HEADS, HEAD_DIM, DTYPE = 3, 9, 64, torch.bfloat16
+SCALE = HEAD_DIM**-0.5
+SHAPE = KVShape(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=DTYPE)
+COPY_BYTES = 256 << 20
+
+
+def make_cache(kind: str, max_len: int, tokens: int) -> KVCache:
+    budget = 2 * (tokens + 64 * max_len // 16) * SHAPE.bytes_per_token + (64 << 20)
+    if kind.startswith("paged"):
+        attention = "cpu_kernel" if kind == "paged kernel" else "torch"
+        cache = PagedKVCache(SHAPE, max_len, budget, enable_prefix_caching=False, attention=attention)
+        cache.kv.normal_()
+        random.Random(0).shuffle(cache.pool.plain_free)  # blocks scattered as after a long run
+        return cache
+    layout = "token" if "token" in kind else "head"
+    attention = "sdpa" if "sdpa" in kind else "cpu_kernel"
+    return VAttentionKVCache(SHAPE, max_len, budget, layout=layout, attention=attention)
+
+
+def admit_all(cache: KVCache, lens: list[int], num_new: int) -> StepBatch:
+    """Sequences of lens[i] tokens whose last num_new this step writes: a decode (admitted, then
+    grown by one token), a new prompt, or a later chunk of one."""
+    for i, n in enumerate(lens):
+        cache.admit(i, list(range(n - 1 if num_new == 1 else n)))
+        if num_new == 1:
+            cache.grow(i, [7])
+    return StepBatch.build([SeqStep(i, n - num_new, num_new) for i, n in enumerate(lens)])
+
+
+def attend_runner(cache: KVCache, batch: StepBatch) -> Callable[[], None]:
+    gen = torch.Generator().manual_seed(0)
+    t = batch.num_tokens
+    q = torch.randn(t, Q_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
+    k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
+    plan = cache.prepare(batch)
+    return lambda: cache.attend(0, q, k, k, plan, SCALE)
+
+
+def copy_runner() -> Callable[[], None]:
+    src = torch.ones(COPY_BYTES, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def interleaved_medians(runners: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    """Seconds per call, median over rounds; one warm-up call each (kernel build, page faults)."""
+    for run in runners.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+DECODE = [
+    "vattention kernel (head-major)",
+    "vattention kernel (token-major)",
+    "vattention sdpa",
+    "paged kernel",
+]
+
+
+def decode_table(batch: int, contexts: list[int], rounds: int, with_torch: bool) -> None:
+    kinds = DECODE + (["paged torch"] if with_torch else [])
+    header = ["context", "K/V MB", "copy GB/s", "roofline ms", *(f"{k} ms" for k in kinds)]
+    header += ["kernel / roofline (head, token, paged)", "vattention kernel vs paged kernel"]
+    rows = []
+    for context in contexts:
+        lens = [context] * batch
+        caches = {k: make_cache(k, context, batch * context) for k in kinds}
+        try:
+            runners = {"copy": copy_runner()}
+            runners |= {k: attend_runner(c, admit_all(c, lens, 1)) for k, c in caches.items()}
+            t = interleaved_medians(runners, rounds)
+        finally:
+            for c in caches.values():
+                c.close()
+        bandwidth = 2 * COPY_BYTES / t["copy"]
+        kv_bytes = batch * context * SHAPE.bytes_per_token_per_layer
+        roof = kv_bytes / bandwidth
+        ratios = ", ".join(f"{t[k] / roof:.2f}x" for k in (DECODE[0], DECODE[1], "paged kernel"))
+        speedup = t["paged kernel"] / min(t[DECODE[0]], t[DECODE[1]])
+        rows.append(
+            [str(context), f"{kv_bytes / 1e6:.1f}", f"{bandwidth / 1e9:.1f}", f"{roof * 1e3:.3f}"]
+            + [f"{t[k] * 1e3:.3f}" for k in kinds]
+            + [ratios, f"{speedup:.2f}x"]
+        )
+    print_table(f"Decode attention per layer, batch {batch}, {torch.get_num_threads()} threads", header, rows)
+
+
+def prefill_table(prompt: int, rounds: int) -> None:
+    kinds = ["vattention kernel (head-major)", "vattention kernel (token-major)", "paged kernel"]
+    header = ["step", *(f"{k} ms" for k in kinds), "paged / vattention (head-major)"]
+    rows = []
+    for name, num_new in (
+        (f"new {prompt}-token prompt", prompt),
+        (f"chunk 2: {prompt // 2} new", prompt // 2),
+    ):
+        caches = {k: make_cache(k, 2 * prompt, prompt) for k in kinds}
+        try:
+            runners = {k: attend_runner(c, admit_all(c, [prompt], num_new)) for k, c in caches.items()}
+            t = interleaved_medians(runners, rounds)
+        finally:
+            for c in caches.values():
+                c.close()
+        rows.append([name, *(f"{t[k] * 1e3:.2f}" for k in kinds), f"{t['paged kernel'] / t[kinds[0]]:.2f}x"])
+    print_table("Prefill attention per layer (one sequence)", header, rows)
+
+
+def prepare_table(batch: int, contexts: list[int], rounds: int) -> None:
+    kinds = ["vattention kernel (head-major)", "paged kernel"]
+    rows = []
+    for context in contexts:
+        caches = {k: make_cache(k, context, batch * context) for k in kinds}
+        try:
+            batches = {k: admit_all(c, [context] * batch, 1) for k, c in caches.items()}
+            t = interleaved_medians(
+                {k: lambda c=c, b=batches[k]: c.prepare(b) for k, c in caches.items()}, rounds
+            )
+        finally:
+            for c in caches.values():
+                c.close()
+        rows.append([str(context), *(f"{t[k] * 1e6:.0f}" for k in kinds)])
+    print_table(f"prepare() host time per step, batch {batch} (us)", ["context", *kinds], rows)
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" for _ in header) + "|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="contexts 320 and 2048, 5 rounds")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--with-torch", action="store_true", help="add the paged gather + SDPA column")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rounds = args.rounds or (5 if args.quick else 9)
+    contexts = [320, 2048] if args.quick else [320, 1024, 2048, 4096]
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads, native bf16: {bf16}, medians of {rounds}")
+    decode_table(args.batch, contexts, rounds, args.with_torch)
+    prefill_table(1000, rounds)
+    prepare_table(args.batch, [contexts[0], contexts[-1]], rounds)
+
+
+if __name__ == "__main__":
+    main()
