@@ -20,6 +20,7 @@ its metadata must carry a `+cpu` version or it cannot infer its device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -90,6 +91,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; tables show medians")
     parser.add_argument("--dtype", default="bfloat16", help="vmkv's dtype")
+    parser.add_argument("--vmkv-args", default="", help="extra `vmkv serve` flags, e.g. '--num-threads 1'")
     parser.add_argument(
         "--peer-dtypes", nargs="+", help="default: bfloat16, and float32 too without native bf16"
     )
@@ -168,7 +170,6 @@ def server_command(
             "127.0.0.1",
             "--port",
             str(port),
-            "--disable-log-requests",
         ]
         return command, env
     kv_mode, _, engine = target.partition("-")
@@ -198,6 +199,7 @@ def server_command(
     ]
     if engine == "thread":
         command.append("--no-engine-process")
+    command += args.vmkv_args.split()
     return command, env
 
 
@@ -230,14 +232,19 @@ def serve_and_measure(
         for rate in args.rates:
             runs.append(client_run(args, peer_python, model, url, target, dtype, rate, round_index))
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_group(server)
         log.close()
     return runs
+
+
+def stop_group(server: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (a server may have children), SIGKILL after 60 s."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signum)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(60)
+            return
 
 
 def client_run(
@@ -286,7 +293,8 @@ def client_run(
         name,
     ]
     print(f"  {target} ({dtype}) at rate {rate}: {prompts} prompts", flush=True)
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    with (args.out / f"client-{name}.log").open("w") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
     result = json.loads((args.out / name).read_text())
     return {
         "target": target,

@@ -33,6 +33,8 @@ class EngineConfig:
     page_size: int | None = None  # vattention layout only, in bytes; None: the layout's default
     enable_prefix_caching: bool = True  # paged layout only
     seed: int = 0  # for requests that give no seed of their own
+    # torch's intra-op threads for the engine's process; None leaves torch's default (one per core)
+    num_threads: int | None = None
     # Run bf16/fp16 linear layers as fp32 GEMMs of the same values, rounding outputs back: the
     # arithmetic of a half-precision GEMM (fp32 accumulation), for CPUs that lack one natively,
     # where torch's fallback is ~6x slower. None: only where no native kernel exists.
@@ -57,6 +59,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_threads is not None and (
+            not isinstance(self.num_threads, int)
+            or isinstance(self.num_threads, bool)
+            or self.num_threads < 1
+        ):
+            raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
         if self.page_size is not None and (not isinstance(self.page_size, int) or self.page_size < 1):
             raise ValueError(f"page_size must be a positive integer or None, got {self.page_size!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -54,6 +54,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)  # process-wide: the engine owns its process
         self.model_path = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_path)
         self.runner = ModelRunner(config, str(self.model_path))

@@ -74,6 +74,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_model_len,
         help="longest prompt + generation, in tokens",
     )
+    engine.add_argument(
+        "--num-threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads of the engine (default: one per core)",
+    )
     engine.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs)
     engine.add_argument(
         "--max-num-batched-tokens", type=_positive_int, default=defaults.max_num_batched_tokens
@@ -100,6 +106,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         preemption_mode=args.preemption_mode,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.num_threads,
     )
 
 

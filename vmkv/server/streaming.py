@@ -53,6 +53,13 @@ async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[
 
     Closing the merge closes every stream, so abandoning it aborts whatever they drive.
     """
+    if len(streams) == 1:  # the common case: no task per item
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
     pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
     try:
         while pending:
