@@ -27,23 +27,26 @@ from vmkv.decode_kernel import DecodeKernel, DecodePlan, load_decode_kernel, pag
 from vmkv.kv_cache import StepBatch
 
 
+def bottom_right_mask(num_cached: int, context_len: int, device: torch.device) -> torch.Tensor | None:
+    """bool [new, context_len]: new query j (position num_cached + j) sees keys 0..num_cached + j.
+    None when nothing is cached (SDPA's own is_causal, which aligns top-left, is then right)."""
+    if not num_cached:
+        return None
+    keys = torch.arange(context_len, device=device)
+    return keys <= torch.arange(num_cached, context_len, device=device)[:, None]
+
+
 def causal_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """q [n, Hq, D] at positions num_cached.., over k/v [L, Hkv, D]; causal, GQA. -> [n, Hq, D]."""
-    n, length = q.shape[0], k.shape[0]
-    mask = None
-    if num_cached:  # SDPA's is_causal aligns top-left; queries sit at the end of the context
-        mask = (
-            torch.arange(length, device=q.device)
-            <= torch.arange(num_cached, length, device=q.device)[:, None]
-        )
+    """q [n, Hq, D] over k/v [L, Hkv, D] with a bottom_right_mask (None: nothing cached); GQA.
+    -> [n, Hq, D]."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
-        is_causal=not num_cached and n > 1,
+        is_causal=mask is None and q.shape[0] > 1,
         scale=scale,
         enable_gqa=True,
     )
@@ -59,6 +62,7 @@ class SeqPart:
     num_cached: int
     context_len: int
     blocks: torch.Tensor | None  # the blocks holding its context; None: nothing is cached
+    mask: torch.Tensor | None  # bottom_right_mask, built once per step for every layer
 
 
 @dataclass
@@ -124,7 +128,14 @@ class ReferenceAttention:
         starts = batch.query_start.tolist()
         device = slot_mapping.device  # the cache's device, whatever the batch was built on
         parts = [
-            SeqPart(starts[i], starts[i + 1], s.num_cached, s.context_len, torch.tensor(t, device=device))
+            SeqPart(
+                starts[i],
+                starts[i + 1],
+                s.num_cached,
+                s.context_len,
+                torch.tensor(t, device=device),
+                bottom_right_mask(s.num_cached, s.context_len, device),
+            )
             for i, (s, t) in enumerate(zip(batch.steps, tables, strict=True))
         ]
         return PagedPlan(batch, slot_mapping, parts)
@@ -169,7 +180,7 @@ def _attend_parts(
             cached = p.blocks[: -(-p.num_cached // bs)]
             ctx_k = torch.cat([k_blocks.index_select(0, cached).flatten(0, 1)[: p.num_cached], new_k])
             ctx_v = torch.cat([v_blocks.index_select(0, cached).flatten(0, 1)[: p.num_cached], new_v])
-        out[p.start : p.end] = causal_sdpa(q[p.start : p.end], ctx_k, ctx_v, p.num_cached, scale)
+        out[p.start : p.end] = causal_sdpa(q[p.start : p.end], ctx_k, ctx_v, p.mask, scale)
 
 
 class BatchedAttention:
@@ -207,7 +218,8 @@ class BatchedAttention:
                 blocks = None
                 if s.num_cached:
                     blocks = torch.tensor(t, device=device) if rows is None else rows[i][: len(t)].to(device)
-                parts.append(SeqPart(starts[i], starts[i + 1], s.num_cached, s.context_len, blocks))
+                mask = bottom_right_mask(s.num_cached, s.context_len, device)
+                parts.append(SeqPart(starts[i], starts[i + 1], s.num_cached, s.context_len, blocks, mask))
         plan = PagedPlan(batch, slot_mapping, parts)
         if decode_ids:
             lens = [batch.steps[i].context_len for i in decode_ids]
