@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +59,31 @@ def test_process_outputs_equal_the_engine_that_detokenizes_itself(tiny_model_dir
     assert [summary(out) for out in outputs] == expected
     assert any(s.stop_reason in ("e", "ou") for s in outputs[0].outputs)  # the case is exercised
     assert llm.dead_reason == "the engine has been shut down"
+
+
+def test_one_engine_serves_event_loops_one_after_another_and_at_once(tiny_model_dir: Path) -> None:
+    llm = AsyncProcessLLM(model=str(tiny_model_dir), **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def token_ids() -> list[int]:
+        async for out in llm.generate("Hello", params):
+            final = out
+        return final.outputs[0].token_ids
+
+    try:
+        first = asyncio.run(token_ids())
+        assert asyncio.run(token_ids()) == first  # a new loop after the first one closed
+        results: list[list[int]] = []
+        threads = [
+            threading.Thread(target=lambda: results.append(asyncio.run(token_ids()))) for _ in range(3)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert results == [first] * 3  # three loops on three threads at once
+    finally:
+        llm.shutdown()
 
 
 def test_an_engine_that_cannot_start_says_why(tiny_model_dir: Path) -> None:

@@ -2,13 +2,15 @@
 
 In one process, every token's detokenization, JSON and SSE framing competes with the
 model for the interpreter lock; here the engine-core process (engine_core.py) only steps,
-and this side, inside the server's event loop, tokenizes, detokenizes and answers HTTP.
-The engine is spawned (never forked after torch has started threads) and reports ready
-with the facts needed to validate requests here. Commands leave in one message per
-event-loop turn; outputs arrive as one message per engine step (ipc.py).
+and this side tokenizes, detokenizes and answers HTTP. The engine is a fresh interpreter
+(never a fork of one whose torch threads exist) and reports ready with the facts needed to
+validate requests here. Commands leave as they come; outputs arrive as one message per
+engine step (ipc.py).
 
-Everything runs on the event loop of the first caller, except `abort`, `stats`,
-`dead_reason` and `shutdown`, which are safe from any thread.
+A reader thread receives each step's message (releasing the interpreter lock while it
+waits) and hands every event loop with streams in it that step's updates in one call; the
+text is made there, on the stream's own loop. So any number of event loops may use one
+engine, one after another or at once, and every method is safe from any thread.
 """
 
 from __future__ import annotations
@@ -22,12 +24,11 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from vmkv.engine.async_engine import EngineDead
 from vmkv.engine.config import EngineConfig
@@ -38,6 +39,7 @@ from vmkv.engine.ipc import (
     Command,
     EngineFailed,
     Ready,
+    RequestUpdate,
     Shutdown,
     StartFailed,
     StopSample,
@@ -61,10 +63,11 @@ class EngineStartError(RuntimeError):
     """The engine process failed before it was ready; the message says why."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Stream:
     state: RequestState
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
 
 
 class AsyncProcessLLM:
@@ -73,27 +76,23 @@ class AsyncProcessLLM:
         model_path = resolve_model(config.model)  # pull and convert here once, not in the child
         self.tokenizer = load_tokenizer(model_path)
         commands_address, outputs_address = new_addresses()
-        # The engine binds, this side connects: a connecting PUSH queues from the start, so a send
-        # never waits for the engine (no high-water mark either). Commands leave through a plain
-        # socket, outputs arrive through an asyncio one.
+        # The engine binds, this side connects: a connecting PUSH queues from the start, so a
+        # send never waits for the engine (no high-water mark either).
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.SNDHWM, 0)
         self._commands.connect(commands_address)
-        self._async_context = zmq.asyncio.Context()
-        self._outputs = self._async_context.socket(zmq.PULL)
+        self._outputs = self._context.socket(zmq.PULL)
         self._outputs.connect(outputs_address)
-        # A fresh interpreter (never a fork of one whose torch threads exist), which needs no
-        # `if __name__ == "__main__"` guard in the caller's script, unlike multiprocessing's spawn.
-        # The child holds the write end of `ready_fd` until it dies: its end marks the death.
-        self._ready_fd, child_fd = os.pipe()
-        config = replace(config, model=str(model_path))
+        # `python -m` needs no `if __name__ == "__main__"` guard in the caller's script, unlike
+        # multiprocessing's spawn. The child holds the write end of this pipe until it dies.
+        self._death_fd, child_fd = os.pipe()
         self._process = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "vmkv.engine.engine_core",
-                f"--config={msgspec.json.encode(config).decode()}",
+                f"--config={msgspec.json.encode(replace(config, model=str(model_path))).decode()}",
                 f"--commands={commands_address}",
                 f"--outputs={outputs_address}",
                 f"--ready-fd={child_fd}",
@@ -103,12 +102,11 @@ class AsyncProcessLLM:
         )
         os.close(child_fd)
         self._streams: dict[str, _Stream] = {}
-        self._pending: list[Command] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: asyncio.Task | None = None
+        self._lock = threading.Lock()  # guards _streams, _dead_reason and the commands socket
         self._dead_reason: str | None = None
         self._closed = False
-        report = read_start_report(self._ready_fd, time.monotonic() + START_TIMEOUT_SECONDS)
+        self._reader: threading.Thread | None = None
+        report = read_start_report(self._death_fd, time.monotonic() + START_TIMEOUT_SECONDS)
         if not isinstance(report, Ready):
             self.shutdown()
             if isinstance(report, StartFailed):
@@ -117,6 +115,8 @@ class AsyncProcessLLM:
                 raise EngineStartError(f"the engine process exited ({self._exit_text()}) before it was ready")
             raise EngineStartError(f"the engine process was not ready after {START_TIMEOUT_SECONDS:.0f} s")
         self.info, self._stats = report.info, report.stats
+        self._reader = threading.Thread(target=self._read_outputs, name="vmkv-engine-outputs", daemon=True)
+        self._reader.start()
 
     @property
     def pid(self) -> int:
@@ -145,15 +145,16 @@ class AsyncProcessLLM:
         text, prompt_ids = self.validate(prompt, params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        self._start_reading()
-        if (reason := self.dead_reason) is not None:
-            raise EngineDead(reason)
-        if request_id in self._streams:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
-        stream = self._streams[request_id] = _Stream(
-            RequestState(request_id, text, prompt_ids, params, self.tokenizer)
-        )
-        self._send(AddRequest(request_id, prompt_ids, params, cache_salt))
+        state = RequestState(request_id, text, prompt_ids, params, self.tokenizer)
+        stream = _Stream(state, asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            # checked under the lock _die takes: a stream is either refused here or failed there
+            if (reason := self.dead_reason) is not None:
+                raise EngineDead(reason)
+            if request_id in self._streams:
+                raise RequestRejected(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._send_locked(AddRequest(request_id, prompt_ids, params, cache_salt))
         finished = False
         try:
             while True:
@@ -166,19 +167,18 @@ class AsyncProcessLLM:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._send(Abort(request_id))
+            with self._lock:
+                self._streams.pop(request_id, None)
+                if not finished:
+                    self._send_locked(Abort(request_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if still read) gets a final output with finish_reason abort."""
-        if self._loop is None:
-            return  # nothing was ever submitted
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs any more
-            self._loop.call_soon_threadsafe(self._send, Abort(request_id))
+        with self._lock:
+            self._send_locked(Abort(request_id))
 
     def stats(self) -> EngineStats:
-        """The engine's state after its latest step (or the latest command it took)."""
+        """The engine's state after its latest step (or the latest commands it took)."""
         return self._stats
 
     @property
@@ -190,112 +190,87 @@ class AsyncProcessLLM:
 
     def shutdown(self) -> None:
         """Stop the engine process (politely, then SIGTERM, then SIGKILL) and fail open streams."""
-        if self._closed:
-            return
-        self._closed = True
-        self._dead_reason = self._dead_reason or "the engine has been shut down"
-        with contextlib.suppress(zmq.ZMQError):
-            self._commands.send(encoder.encode([Shutdown()]), flags=zmq.NOBLOCK)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._dead_reason = self._dead_reason or "the engine has been shut down"
+            with contextlib.suppress(zmq.ZMQError):
+                self._commands.send(encoder.encode([Shutdown()]), flags=zmq.NOBLOCK)
         for stop in (lambda: None, self._process.terminate, self._process.kill):
             if self._process.poll() is None:
                 stop()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._process.wait(STOP_TIMEOUT_SECONDS)
-        self._on_loop(self._close_streams)
+        self._die("the engine has been shut down")
+        if self._reader is not None:
+            self._reader.join()  # it ends once it sees the death pipe close
         self._context.destroy(linger=0)
+        os.close(self._death_fd)
 
-    def _on_loop(self, work: Callable[[], None]) -> None:
-        """Run `work` on the event loop this object is bound to, and wait for it."""
-        loop = self._loop
-        if loop is None or loop.is_closed() or not loop.is_running():
-            work()
-            return
-        with contextlib.suppress(RuntimeError):
-            if asyncio.get_running_loop() is loop:
-                work()
-                return
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                work()
-            finally:
-                done.set()
-
-        with contextlib.suppress(RuntimeError):  # closed meanwhile: nobody is left to tell
-            loop.call_soon_threadsafe(run)
-            done.wait(STOP_TIMEOUT_SECONDS)
-
-    def _close_streams(self) -> None:
-        """Fail what still streams, stop reading, close the output socket (on the loop)."""
-        self._fail_all(self._dead_reason or "the engine has been shut down")
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._ready_fd)
-        self._async_context.destroy(linger=0)
-        os.close(self._ready_fd)
-
-    # ------------------------------------------------------------ the event-loop side
-    def _start_reading(self) -> None:
-        """Bind to the caller's event loop: read outputs, and notice at once if the process dies."""
-        if self._loop is not None:
-            return
-        self._loop = asyncio.get_running_loop()
-        self._reader = self._loop.create_task(self._read_outputs())
-        self._loop.add_reader(self._ready_fd, self._on_process_exit)
-
-    async def _read_outputs(self) -> None:
-        try:
-            while True:
-                message = output_decoder.decode(await self._outputs.recv(copy=False))
+    # ------------------------------------------------------------ the reader thread
+    def _read_outputs(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._outputs, zmq.POLLIN)
+        poller.register(self._death_fd, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self._outputs in ready:
+                message = output_decoder.decode(self._outputs.recv(copy=False).buffer)
                 if isinstance(message, EngineFailed):
                     self._die(message.reason)
-                    return
+                    continue
                 self._stats = message.stats
-                for update in message.updates:
-                    stream = self._streams.get(update.request_id)
-                    if stream is None or stream.state.finished:
-                        continue  # its stream is gone or complete; the engine caught up
-                    if update.rejected is not None:
-                        stream.state.finished = True
-                        stream.queue.put_nowait(RequestRejected(update.rejected))
-                        continue
-                    for index in stream.state.apply(update):
-                        self._send(StopSample(update.request_id, index))
-                    stream.queue.put_nowait(stream.state.output())
-        except (asyncio.CancelledError, zmq.ZMQError):
-            return
+                self._dispatch(message.updates)
+            elif self._death_fd in ready:  # the engine process has ended
+                self._process.wait()
+                self._die(f"the engine process exited ({self._exit_text()})")
+                return
 
-    def _on_process_exit(self) -> None:
-        assert self._loop is not None
-        self._loop.remove_reader(self._ready_fd)
-        self._process.wait()
-        self._die(self._dead_reason or f"the engine process exited ({self._exit_text()})")
+    def _dispatch(self, updates: list[RequestUpdate]) -> None:
+        """Hand each event loop its streams' updates of this step, in one call per loop."""
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestUpdate]]] = {}
+        with self._lock:
+            for update in updates:
+                stream = self._streams.get(update.request_id)
+                if stream is not None:
+                    per_loop.setdefault(stream.loop, []).append((stream, update))
+        for loop, items in per_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
+                loop.call_soon_threadsafe(self._apply, items)
+
+    def _apply(self, items: list[tuple[_Stream, RequestUpdate]]) -> None:
+        """On the streams' loop: make text, apply stop strings, deliver cumulative outputs."""
+        for stream, update in items:
+            state = stream.state
+            if state.finished:
+                continue  # complete here already (a stop string); the engine caught up
+            if update.rejected is not None:
+                state.finished = True
+                stream.queue.put_nowait(RequestRejected(update.rejected))
+                continue
+            for index in state.apply(update):
+                self._send(StopSample(state.request_id, index))
+            stream.queue.put_nowait(state.output())
 
     def _die(self, reason: str) -> None:
-        if self._dead_reason is None:
-            logger.error("engine stopped: %s", reason)
-        self._dead_reason = self._dead_reason or reason
-        self._fail_all(self._dead_reason)
-
-    def _fail_all(self, reason: str) -> None:
-        streams, self._streams = self._streams, {}
+        """Refuse new streams and fail every open one with EngineDead(reason)."""
+        with self._lock:
+            if self._dead_reason is None:
+                logger.error("engine stopped: %s", reason)
+            self._dead_reason = self._dead_reason or reason
+            streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.queue.put_nowait(EngineDead(reason))
-        if self._reader is not None:
-            self._reader.cancel()
+            with contextlib.suppress(RuntimeError):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDead(self._dead_reason))
 
     def _send(self, command: Command) -> None:
-        """Queue a command; everything queued in one event-loop turn leaves as one message."""
-        if self._closed:
-            return
-        self._pending.append(command)
-        if len(self._pending) == 1:
-            self._loop.call_soon(self._flush)
+        with self._lock:
+            self._send_locked(command)
 
-    def _flush(self) -> None:
-        commands, self._pending = self._pending, []
-        if commands and not self._closed:
-            self._commands.send(encoder.encode(commands), flags=zmq.NOBLOCK)
+    def _send_locked(self, command: Command) -> None:
+        if not self._closed:
+            self._commands.send(encoder.encode([command]), flags=zmq.NOBLOCK)
 
     def _exit_text(self) -> str:
         code = self._process.returncode

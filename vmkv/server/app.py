@@ -50,20 +50,24 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    owns_engine: bool = False,
 ) -> FastAPI:
-    """An app serving `engine` under the name `served_model_name`; the engine stops with the app.
+    """An app serving `engine` under the name `served_model_name`.
 
-    With `api_key`, the /v1 and tokenizer routes want `Authorization: Bearer <api_key>`;
-    /health, /metrics and /version stay open for probes and scrapers.
+    With `owns_engine`, the app stops the engine when it stops (the server's own engine; apps
+    that share one engine leave that to its owner). With `api_key`, the /v1 and tokenizer
+    routes want `Authorization: Bearer <api_key>`; /health, /metrics and /version stay open
+    for probes and scrapers.
     """
     serving = OpenAIServing(engine, served_model_name, ServingMetrics(served_model_name))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        # Stop the engine while the server drains, before uvicorn re-raises the signal that
-        # stopped it (after which no `finally` of the caller would run).
-        await asyncio.to_thread(engine.shutdown)
+        if owns_engine:
+            # Stop the engine while the server drains, before uvicorn re-raises the signal that
+            # stopped it (after which no `finally` of the caller would run).
+            await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(
         title="vmkv",

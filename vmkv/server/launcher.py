@@ -119,7 +119,11 @@ def serve_main(args: argparse.Namespace) -> None:
         raise SystemExit(f"vmkv: error: {error}") from error
     engine = EngineClient(llm)
     app = build_app(
-        engine, args.served_model_name or args.model, api_key=args.api_key, max_body_bytes=args.max_body_bytes
+        engine,
+        args.served_model_name or args.model,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        owns_engine=True,
     )
     try:
         uvicorn.run(
