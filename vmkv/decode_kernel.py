@@ -9,9 +9,9 @@ Without a compiler `load_decode_kernel` logs a warning that says why and returns
 layouts then fall back to their torch paths.
 
 Per step a layout builds one plan (`dense_plan` or `paged_plan`: where each sequence's K/V
-lives, O(batch) host work); per layer it calls the kernel with that layer's K/V base. The
-OpenMP runtime is torch's own (the process already has libgomp loaded), so torch's thread
-count applies.
+lives, O(batch) host work); per layer it calls the kernel with that layer's K/V base, with
+torch's thread count. (With the pip CPU build of torch, whose libgomp.so.1 is loaded first,
+the kernel's OpenMP regions run on torch's own thread pool.)
 """
 
 from __future__ import annotations
