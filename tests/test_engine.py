@@ -4,6 +4,7 @@ stopping, rejection, abort, streaming."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -133,7 +134,8 @@ def test_stop_strings_are_trimmed_and_stop_tokens_kept(
 def test_eos_stops_unless_ignored(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
     llm = make_llm(tiny_model_dir)
     base = llm.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0].outputs[0]
-    llm.engine.eos_token_ids = frozenset({base.token_ids[3]})  # pretend the model emits its end token there
+    # pretend the model emits its end token there
+    llm.engine.info = dataclasses.replace(llm.engine.info, eos_token_ids=frozenset({base.token_ids[3]}))
     stopped = llm.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0].outputs[0]
     assert (
         stopped.finish_reason == "stop"
@@ -298,8 +300,13 @@ def test_bf16_follows_transformers_with_native_or_fp32_gemm(
     assert llm.engine.runner.fp32_gemm is fp32_gemm
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     llm.close()
-    report = compare(reference, [o.outputs[0].token_ids for o in outputs])
-    assert report.identical >= 0.95 * len(prompts), report.mismatches + report.near_ties
+    # A bf16 logit is exact to 8 bits: where the reference's top two logits are within two bf16
+    # steps of each other, any difference in accumulation order (native bf16 GEMM or fp32 GEMM,
+    # blocked or not, this CPU or another) may flip the choice. Seen on an avx512_bf16 CPU: flips
+    # at one step (0.0156 at a top logit of 3.8). Every other divergence is a bug.
+    report = compare(reference, [o.outputs[0].token_ids for o in outputs], tie_bf16_ulps=2)
+    assert report.passed, report.mismatches
+    assert report.identical + len(report.near_ties) == len(prompts)
 
 
 def test_oracle_counts_near_ties_apart_from_mismatches() -> None:
