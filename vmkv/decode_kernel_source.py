@@ -100,7 +100,11 @@ static inline vf exp2_v(vf x) {
 }
 
 /* Lane i of the result = sum of all lanes of a[i]: a transposing tree, log2(V) levels. */
+#if defined(__clang__) || __GNUC__ >= 12
 #define SH(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else  /* older GCC: the same shuffle with a mask vector (untested here: GCC 12 built this) */
+#define SH(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
 static inline vf reduce_rows(vf* a) {
 #if V == 16
     vf b[8], c[4], d[2];
