@@ -174,7 +174,7 @@ def _attend_parts(
         if new_from_blocks:
             ctx_k = k_blocks.index_select(0, p.blocks).flatten(0, 1)[: p.context_len]
             ctx_v = v_blocks.index_select(0, p.blocks).flatten(0, 1)[: p.context_len]
-        elif p.blocks is None or not p.num_cached:
+        elif p.blocks is None:  # nothing cached
             ctx_k, ctx_v = new_k, new_v
         else:
             cached = p.blocks[: -(-p.num_cached // bs)]

@@ -25,7 +25,6 @@ query [Hq, D] is viewed as [Hkv, G, D]: G query rows against each KV head.
 from __future__ import annotations
 
 import importlib.util
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +32,6 @@ import torch.nn.functional as F
 
 from vmkv.decode_kernel import DecodeKernel, DecodePlan, dense_plan, load_decode_kernel
 from vmkv.kv_cache import KVShape, SeqStep, StepBatch
-
-log = logging.getLogger(__name__)
 
 FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
 
