@@ -13,7 +13,6 @@ import datetime
 import math
 import os
 import platform
-import re
 import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -44,6 +43,7 @@ from vmkv.bench.workloads import (
 )
 from vmkv.engine import EngineConfig
 from vmkv.engine.config import DTYPES, KV_MODES, PREEMPTION_MODES
+from vmkv.engine.cpu_linear import has_native_half_gemm
 from vmkv.kv_cache import KVShape
 from vmkv.model.store import DEFAULT_MODEL, load_tokenizer, resolve_model
 
@@ -325,13 +325,10 @@ def build_rounds(args: argparse.Namespace, plan: Plan, tokens: TokenRange, varia
 
 
 def auto_dtype() -> str:
-    """bfloat16 on CPUs with native bf16 matmuls (AVX512-BF16, AMX), float32 elsewhere: without them
-    bf16 matmuls take slow fallback kernels (about 45x slower than fp32 on an AVX2 machine)."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "float32"
-    return "bfloat16" if re.search(r"\b(avx512_bf16|amx_bf16)\b", cpuinfo) else "float32"
+    """bfloat16 where the engine runs it with native GEMMs (AVX512-BF16, AMX), float32 elsewhere: the
+    engine's own rule (vmkv.engine.cpu_linear.has_native_half_gemm), so the benchmark serves the
+    dtype the engine would pick, never one whose matmuls take a slow fallback."""
+    return "bfloat16" if has_native_half_gemm(torch.bfloat16) else "float32"
 
 
 def token_range(model_path: Path) -> TokenRange:

@@ -39,6 +39,9 @@ class EngineConfig:
     # arithmetic of a half-precision GEMM (fp32 accumulation), for CPUs that lack one natively,
     # where torch's fallback is ~6x slower. None: only where no native kernel exists.
     fp32_gemm: bool | None = None
+    # Run the decoder under torch.compile (inductor), compiled once at start; eager if off or if
+    # compiling fails. Off by default: see docs/engine.md for the measured start-up cost and gain.
+    compile_model: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:

@@ -2,70 +2,27 @@
 
 Every scheduled sequence's new tokens are concatenated into a single [1, T] batch with
 their true positions, so prefill chunks and decode tokens share one forward. The model's
-attention layers call `vmkv_attention` (registered with transformers' attention
-interface), which hands each layer's q/k/v to the KV cache together with the step's plan;
-the plan travels through a module-level context because the model code passes no
-engine state down. Logits are computed only for the rows that sample.
+attention layers reach the KV cache through attention_hook.py; the decoder runs eagerly or
+compiled (compiled.py), and half-precision linears run the CPU's best GEMM (cpu_linear.py).
+Logits are computed only for the rows that sample.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
+from contextlib import nullcontext
 from itertools import chain
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
+from vmkv.engine.attention_hook import ATTENTION_NAME, step_context
+from vmkv.engine.compiled import compile_decoder, compiled_stance
 from vmkv.engine.config import EngineConfig
+from vmkv.engine.cpu_linear import pack_linears, run_linears_in_fp32, wants_fp32_gemm, wants_packed_gemm
 from vmkv.engine.scheduler import ScheduledSeq
 from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
 from vmkv.model.store import load_model
 
-ATTENTION_NAME = "vmkv"
 LOGIT_SLICE = 1024  # vocabulary rows per lm_head GEMM on the CPU
-
-
-@dataclass
-class _StepContext:
-    cache: KVCache | None = None
-    plan: object = None
-
-
-_step = _StepContext()
-
-
-def vmkv_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """query (1, Hq, T, D), key/value (1, Hkv, T, D), RoPE applied -> ((1, T, Hq, D), None).
-
-    The [T, H, D] views are free: q/k/v were produced as [1, T, H, D] and only transposed.
-    The cache copies k/v into its own storage, so they need not be contiguous.
-    """
-    if _step.cache is None:
-        raise RuntimeError("vmkv attention called outside an engine step")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = _step.cache.attend(
-        module.layer_idx,
-        query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        _step.plan,
-        scale,
-    )
-    return out.unsqueeze(0), None
-
-
-AttentionInterface.register(ATTENTION_NAME, vmkv_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)  # causality lives in the cache
 
 
 class ModelRunner:
@@ -80,9 +37,12 @@ class ModelRunner:
                 f"implement; set max_model_len <= {window} (it is {config.max_model_len})"
             )
         self.model.to(self.device)
-        self.fp32_gemm = _wants_fp32_gemm(config)
+        self.fp32_gemm = wants_fp32_gemm(config)
+        self.packed_gemm = wants_packed_gemm(config, self.fp32_gemm)
         if self.fp32_gemm:
-            _run_linears_in_fp32(self.model)
+            run_linears_in_fp32(self.model)
+        elif self.packed_gemm:
+            pack_linears(self.model)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         hf = self.model.config
@@ -95,6 +55,9 @@ class ModelRunner:
         )
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", None)
         self._positions = torch.arange(config.max_num_batched_tokens, device=self.device)
+        compiled = compile_decoder(self.decoder, self.device) if config.compile_model else None
+        self.compiled = compiled is not None
+        self._forward = self.decoder if compiled is None else compiled
 
     @torch.inference_mode()
     def execute(self, cache: KVCache, scheduled: list[ScheduledSeq]) -> torch.Tensor:
@@ -111,24 +74,25 @@ class ModelRunner:
             dtype=torch.long,
             device=self.device,
         )
-        # position of packed row r = r - (first row of its sequence) + (its sequence's num_cached)
-        offsets = torch.repeat_interleave(batch.num_cached - batch.query_start[:-1], batch.query_start.diff())
-        positions = self._positions[:num_tokens] + offsets
+        if batch.is_decode_only:  # row b is sequence b's one new token
+            positions = batch.num_cached
+        else:  # packed row r: r - (first row of its sequence) + (its sequence's num_cached)
+            first_rows, counts = batch.query_start[:-1], batch.query_start.diff()
+            positions = self._positions[:num_tokens] + torch.repeat_interleave(
+                batch.num_cached - first_rows, counts
+            )
 
-        _step.cache, _step.plan = cache, cache.prepare(batch)
-        try:
-            hidden = self.decoder(
+        with step_context(cache, cache.prepare(batch)), compiled_stance() if self.compiled else nullcontext():
+            hidden = self._forward(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False
             ).last_hidden_state[0]
-        finally:
-            _step.cache, _step.plan = None, None
         last_rows = [i for i, s in enumerate(scheduled) if s.samples]
         rows = batch.query_start[1:][last_rows] - 1
         return self._logits(hidden[rows])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on the sampling rows, as float32 [S, V]; on the CPU through linear_in_slices."""
-        if self.device.type != "cpu" or not isinstance(self.lm_head, torch.nn.Linear):
+        if self.device.type != "cpu" or self.packed_gemm or not isinstance(self.lm_head, torch.nn.Linear):
             return self.lm_head(hidden).float()
         weight, bias = self.lm_head.weight, self.lm_head.bias
         x = hidden.to(weight.dtype)
@@ -151,29 +115,3 @@ def linear_in_slices(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -
         rows = slice(start, start + LOGIT_SLICE)
         torch.mm(x, weight[rows].t(), out=out[:, rows])
     return out
-
-
-def _wants_fp32_gemm(config: EngineConfig) -> bool:
-    if config.fp32_gemm is not None:
-        return config.fp32_gemm
-    if config.torch_dtype == torch.float32 or torch.device(config.device).type != "cpu":
-        return False
-    if config.torch_dtype == torch.bfloat16:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
-
-
-def _run_linears_in_fp32(model: torch.nn.Module) -> None:
-    """Hold each half-precision Linear's weight in fp32 (exactly the same values) and compute
-    in fp32, rounding the output back: one fp32 GEMM per layer instead of a slow half one.
-    Embeddings stay in half precision; a tied lm_head gets its own fp32 copy."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.dtype != torch.float32:
-            module.weight = torch.nn.Parameter(module.weight.detach().float(), requires_grad=False)
-            if module.bias is not None:
-                module.bias = torch.nn.Parameter(module.bias.detach().float(), requires_grad=False)
-            module.forward = partial(_fp32_linear, module)
-
-
-def _fp32_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x.float(), module.weight, module.bias).to(x.dtype)

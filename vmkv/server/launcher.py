@@ -91,6 +91,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--no-prefix-caching", action="store_true", help="turn prefix caching off (paged mode)"
     )
+    engine.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.compile_model,
+        help="run the model under torch.compile, compiled once at start (default: off, see docs/engine.md)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -107,6 +113,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
+        compile_model=args.compile,
     )
 
 

@@ -1,0 +1,87 @@
+"""The decoder under torch.compile: token-identical to eager (tiny model, fp32, preemption and
+chunked prefill forced), compiled once at start, and eager with a warning when compiling fails.
+
+Compiling the tiny model's two graphs takes seconds (tens on a cold inductor cache), so only
+these tests pay it; every other test runs the default, eager, path."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from vmkv.engine import LLM, SamplingParams
+from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
+from vmkv.model.store import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_TOKENS = 16
+SMALL_BUDGET = 96 * 1024  # tiny model, fp32: 192 tokens of KV, so the layouts must preempt
+
+
+def make_llm(model_dir: Path, kv_mode: str, compile_model: bool) -> LLM:
+    return LLM(
+        str(model_dir),
+        kv_mode=kv_mode,
+        dtype="float32",
+        kv_budget_bytes=SMALL_BUDGET,
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,  # shorter than most prompts: prefill is chunked
+        page_size=4096,
+        compile_model=compile_model,
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir: Path) -> list[list[int]]:
+    return chat_prompt_ids(load_tokenizer(tiny_model_dir), CHAT_PROMPTS[:8])
+
+
+@pytest.mark.parametrize("kv_mode", ["vattention", "paged"])
+def test_compiled_is_token_identical_to_eager_and_compiles_only_at_start(
+    tiny_model_dir: Path, prompts: list[list[int]], kv_mode: str
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    eager = make_llm(tiny_model_dir, kv_mode, compile_model=False)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    eager.close()
+
+    llm = make_llm(tiny_model_dir, kv_mode, compile_model=True)
+    assert llm.engine.runner.compiled
+    graphs = counters["stats"]["unique_graphs"]
+    outputs = llm.generate(prompts, params)
+    stats = llm.engine.stats()
+    llm.close()
+    got = [o.outputs[0].token_ids for o in outputs]
+    assert got == expected
+    assert stats.num_preemptions > 0 and max(len(p) for p in prompts) > 32
+    assert counters["stats"]["unique_graphs"] == graphs  # decode and chunked prefill reuse the start's graphs
+    report = compare(reference_greedy(tiny_model_dir, prompts[:2], MAX_TOKENS, torch.float32), got[:2])
+    assert report.identical == 2
+
+
+def test_a_compiler_failure_falls_back_to_eager_with_a_warning(
+    tiny_model_dir: Path,
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken_compile(model: torch.nn.Module, **kwargs: object) -> object:
+        def fail(**inputs: object) -> None:
+            raise RuntimeError("no C++ compiler")
+
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with caplog.at_level(logging.WARNING, logger="vmkv.engine.compiled"):
+        llm = make_llm(tiny_model_dir, "paged", compile_model=True)
+    assert not llm.engine.runner.compiled
+    assert "RuntimeError: no C++ compiler" in caplog.text
+    out = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    llm.close()
+    assert len(out.outputs[0].token_ids) == 4

@@ -1,0 +1,73 @@
+"""The decoder under torch.compile (inductor), compiled once at start for every token count.
+
+The model code stays unmodified: attention reaches the KV cache through the custom op
+`vmkv::attention` (attention_hook.py), which inductor treats as an opaque call with a known
+output shape, so the whole decoder is one graph per shape class instead of breaking at each
+of its layers, and the cache's own kernels run inside the op as in eager mode.
+
+Shapes: the packed batch is [1, T]. `dynamic=True` compiles T symbolically, and dynamo
+specialises T == 1 on its own, so two warm-up forwards (T = 1 and T = 2) compile the two
+graphs every later step uses: batch-1 decode, and any other step (prefill chunks of any
+length, decode batches). Later steps run under the "eager_on_recompile" stance: a shape the
+guards did not foresee runs that step eagerly instead of stalling it for a compile. Inductor
+caches generated code on disk (torch's FX graph and AOTAutograd caches), so another process
+compiling the same model mostly pays dynamo's tracing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+import torch.nn.functional as F
+
+from vmkv.engine.attention_hook import step_context
+
+logger = logging.getLogger(__name__)
+
+WARMUP_TOKEN_COUNTS = (1, 2)  # T == 1 is its own graph; T == 2 compiles the symbolic one
+
+
+class _WarmupAttention:
+    """Stands in for a KV cache while compiling: causal attention over the step's own tokens.
+
+    Only the graph around the opaque attention op is being compiled, so its values do not matter."""
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object, scale: float
+    ) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1).contiguous()
+
+
+def compile_decoder(decoder: torch.nn.Module, device: torch.device) -> Callable[..., object] | None:
+    """Compile `decoder` and run the warm-up forwards; None (with a warning naming the cause)
+    if torch.compile cannot handle it, so the caller keeps the eager decoder."""
+    compiled = torch.compile(decoder, dynamic=True)
+    logger.info("compiling the decoder with torch.compile (inductor) for every token count ...")
+    start = time.monotonic()
+    try:
+        with torch.inference_mode(), step_context(_WarmupAttention(), None):  # type: ignore[arg-type]
+            for num_tokens in WARMUP_TOKEN_COUNTS:
+                positions = torch.arange(num_tokens, device=device)[None]
+                compiled(input_ids=torch.zeros_like(positions), position_ids=positions, use_cache=False)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure means: serve eagerly
+        logger.warning("torch.compile failed, running the model eagerly: %s: %s", type(exc).__name__, exc)
+        return None
+    logger.info("compiled the decoder in %.1f s", time.monotonic() - start)
+    return compiled
+
+
+def compiled_stance() -> AbstractContextManager[None]:
+    """Around each compiled step: a shape outside the compiled guards runs eagerly, never recompiles."""
+    return torch.compiler.set_stance("eager_on_recompile")
