@@ -41,6 +41,9 @@ def test_top_k_and_top_p_cut_the_tail() -> None:
     assert set(top_p) == {0, 1}  # 0.5 < 0.7 needs the second token; 0.8 >= 0.7 stops there
     top_p_small = Sampler(seed=4)(logits, rows(SamplingParams(top_p=0.1), 100)).token_ids
     assert set(top_p_small) == {0}  # the most likely token always stays
+    # even where top_p rounds to 0 in the logits' dtype (found by fuzzing the server: 5e-324)
+    tiny = Sampler(seed=5)(logits, rows(SamplingParams(top_p=5e-324), 10)).token_ids
+    assert set(tiny) == {0}
 
 
 def test_a_seeded_row_ignores_its_position_and_neighbours() -> None:

@@ -98,6 +98,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
         1
     )  # 1: keep all
     probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # the top token always stays: its mass before is 0
-    sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
+    mass_before = probs.cumsum(dim=-1) - probs
+    # the top token always stays, even for a top_p that rounds to 0 in this dtype
+    sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (ranks > 0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
