@@ -27,7 +27,20 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDead(RuntimeError):
-    """The engine thread has stopped (shutdown or a crash); no request can be served."""
+    """The engine has stopped (shutdown or a crash); no request can be served."""
+
+
+async def outputs_until_finished(
+    queue: asyncio.Queue[RequestOutput | BaseException],
+) -> AsyncIterator[RequestOutput]:
+    """A stream's outputs until its finished one; an exception put in the queue is raised."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finished:
+            return
 
 
 @dataclass
@@ -80,14 +93,9 @@ class AsyncLLM:
         stream = self._open_stream(request_id, prompt, params or SamplingParams(), cache_salt)
         finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in outputs_until_finished(stream.queue):
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             with self._streams_lock:
                 self._streams.pop(request_id, None)

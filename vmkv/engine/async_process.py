@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import msgspec
 import zmq
 
-from vmkv.engine.async_engine import EngineDead
+from vmkv.engine.async_engine import EngineDead, outputs_until_finished
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.ipc import (
@@ -157,15 +157,9 @@ class AsyncProcessLLM:
             self._send_locked(AddRequest(request_id, prompt_ids, params, cache_salt))
         finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine has forgotten it already
-                    raise item
+            async for item in outputs_until_finished(stream.queue):
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
