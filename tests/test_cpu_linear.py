@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vmkv.engine import cpu_linear
+from vmkv.engine import cpu_linear, gemv_kernel
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.cpu_linear import pack_linears, wants_fp32_gemm, wants_packed_gemm
 
@@ -36,7 +36,7 @@ def test_the_bench_picks_the_dtype_the_engine_runs_natively() -> None:
 @pytest.mark.skipif(
     not cpu_linear.has_native_half_gemm(torch.bfloat16), reason="this CPU has no native bf16 GEMM"
 )
-def test_prepacked_linears_are_bit_identical_to_plain_ones() -> None:
+def test_native_linears_compute_what_a_bf16_gemm_computes() -> None:
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False)).to(
         torch.bfloat16
@@ -44,10 +44,28 @@ def test_prepacked_linears_are_bit_identical_to_plain_ones() -> None:
     x = torch.randn(2, 5, 64, generator=gen).to(torch.bfloat16)
     with torch.inference_mode():
         expected = model(x)
+        first = model[0](x[0, :1])
         pack_linears(model)
         got = model(x)
-        one_row = model(x[0, :1])
         strided = model(x.transpose(0, 1)).transpose(0, 1)
-    assert torch.equal(got, expected)
-    assert torch.equal(one_row, expected[0, :1])
+        few_rows = model[0](x[0, :1])
+    assert torch.equal(got, expected)  # 10 rows: oneDNN, prepacked
     assert torch.equal(strided, expected)
+    # one row: the GEMV kernel where it runs, the same sums in another order
+    assert torch.allclose(few_rows.float(), first.float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="this CPU has no AVX512-BF16")
+def test_the_gemv_kernel_rounds_fp32_sums_once() -> None:
+    gemv = gemv_kernel.load_gemv()
+    if gemv is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(1000, 576, generator=gen).to(torch.bfloat16)  # 1000: a partial last block
+    bias = torch.randn(1000, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, 1152, generator=gen).to(torch.bfloat16)[:, :576]  # rows 1152 apart
+    assert gemv_kernel.can_run(x, weight) and not gemv_kernel.can_run(torch.cat([x, x]), weight)
+    exact = x.double() @ weight.double().t() + bias.double()
+    got = gemv(x, weight, bias)
+    # within one bf16 rounding of the exact sum (plus fp32 summation error)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()

@@ -2,12 +2,13 @@
 them, fp32 GEMMs of the same values where it has not.
 
 - With native bf16/fp16 instructions (AVX512-BF16 or AMX for bf16) every Linear keeps its
-  values and runs through oneDNN with its weight prepacked once at load.
-  oneDNN's plain path re-lays the weight out on every call: prepacked, a batch-1
-  [1, 576] x [576, 1536] bf16 GEMM took 144 µs against 242 µs on one core of an
-  AVX512-BF16 EPYC, and the 49,152-row vocabulary projection 4.2 ms against 6.8 ms, with
-  bit-identical outputs. Under torch.compile the packed GEMM is the opaque custom op
-  `vmkv::packed_linear` (inductor only lowers oneDNN's op for frozen constant weights).
+  values and runs through oneDNN with its weight prepacked once at load. oneDNN's plain
+  path re-lays the weight out on every call: prepacked, a batch-1 [1, 576] x [576, 1536]
+  bf16 GEMM took 144 µs against 242 µs on one core of an AVX512-BF16 EPYC, and the
+  49,152-row vocabulary projection 4.2 ms against 6.8 ms, with bit-identical outputs.
+  Calls of a few rows (decode) go to the bf16 GEMV kernel (gemv_kernel.py) where it runs.
+  Under torch.compile this is the opaque custom op `vmkv::packed_linear` (inductor lowers
+  oneDNN's op only for frozen constant weights).
 - Without them torch's fallback bf16 GEMM is ~6x slower than fp32, so each Linear's weight
   is held in fp32 (the same values) and computes `linear(x.float(), W).to(bf16)`: a bf16
   GEMM's arithmetic (fp32 accumulation, one rounding of the output) through the fp32 kernel.
@@ -16,10 +17,11 @@ them, fp32 GEMMs of the same values where it has not.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 
 import torch
 
+from vmkv.engine import gemv_kernel
 from vmkv.engine.config import EngineConfig
 
 
@@ -66,11 +68,11 @@ def run_linears_in_fp32(model: torch.nn.Module) -> None:
 
 
 def pack_linears(model: torch.nn.Module) -> None:
-    """Replace each half-precision Linear's weight by oneDNN's prepacked layout of the same
-    values. A tied lm_head gets its own packed copy; the embedding keeps the original."""
+    """Give each half-precision Linear oneDNN's prepacked layout of its weight, next to the
+    original (which the decode GEMV kernel reads, and a tied lm_head shares with the
+    embedding): about one more copy of the linear weights, for the fastest GEMM at every size."""
     for module in _half_linears(model):
-        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-        module.weight = torch.nn.Parameter(packed, requires_grad=False)
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
         module.forward = partial(_packed_linear, module)
 
 
@@ -84,21 +86,35 @@ def _fp32_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _packed_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        return packed_linear_op(x, module.weight, module.bias)
-    return _onednn_linear(x, module.weight, module.bias)
+        return packed_linear_op(x, module.weight, module.packed_weight, module.bias)
+    return _native_linear(x, module.weight, module.packed_weight, module.bias)
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] (any strides) @ packed weight [N, K].T (+ bias) -> [..., N]."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+def _native_linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., K] (any strides) @ weight [N, K].T (+ bias) -> [..., N]: the GEMV kernel for a few
+    rows where it runs, else oneDNN on the prepacked weight."""
+    rows = x.reshape(-1, x.shape[-1])
+    gemv = _gemv()
+    if gemv is not None and gemv_kernel.can_run(rows, weight):
+        return gemv(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@cache
+def _gemv() -> gemv_kernel.Gemv | None:
+    return gemv_kernel.load_gemv()
 
 
 @torch.library.custom_op("vmkv::packed_linear", mutates_args=())
-def packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`_onednn_linear` as one opaque graph node."""
-    return _onednn_linear(x, weight, bias)
+def packed_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`_native_linear` as one opaque graph node."""
+    return _native_linear(x, weight, packed, bias)
 
 
 @packed_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])

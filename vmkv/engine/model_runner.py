@@ -91,7 +91,7 @@ class ModelRunner:
         return self._logits(hidden[rows])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head on the sampling rows, as float32 [S, V]; on the CPU through linear_in_slices."""
+        """lm_head on the sampling rows, as float32 [S, V]; plain CPU weights through linear_in_slices."""
         if self.device.type != "cpu" or self.packed_gemm or not isinstance(self.lm_head, torch.nn.Linear):
             return self.lm_head(hidden).float()
         weight, bias = self.lm_head.weight, self.lm_head.bias
