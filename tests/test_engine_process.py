@@ -18,7 +18,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from vmkv.engine import LLM, AsyncProcessLLM, EngineStartError, RequestOutput, SamplingParams
+from vmkv.engine import (
+    LLM,
+    AsyncProcessLLM,
+    EngineConfig,
+    EngineStartError,
+    LLMEngine,
+    RequestOutput,
+    SamplingParams,
+)
+from vmkv.engine.engine_core import EngineCore
+from vmkv.engine.ipc import AddRequest, new_addresses
 
 ENGINE = {"kv_mode": "paged", "dtype": "float32", "max_model_len": 128, "kv_budget_bytes": 8 << 20}
 PROMPTS = ["The capital of France is", "Once upon a time", [5, 6, 7, 8, 9]]
@@ -73,6 +83,26 @@ def test_process_outputs_equal_the_engine_that_detokenizes_itself(tiny_model_dir
     assert any(s.stop_reason in ("e", "ou") for s in outputs[0].outputs)
     assert {s.finish_reason for s in outputs[1].outputs} == {"stop", "length"}
     assert llm.dead_reason == "the engine has been shut down"
+
+
+def test_the_core_sends_each_token_once_and_refuses_a_duplicate_id(tiny_model_dir: Path) -> None:
+    config = EngineConfig(model=str(tiny_model_dir), **ENGINE)
+    core = EngineCore(LLMEngine(config, detokenize=False), *new_addresses())
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    try:
+        assert core.apply(AddRequest("a", [5, 6, 7], params, None)) == []
+        [rejected] = core.apply(AddRequest("a", [5, 6, 7], params, None))
+        assert rejected.finished and "already in use" in rejected.rejected
+        sent: list[int] = []
+        while core.engine.has_unfinished_requests():
+            for update in map(core.update, core.step()):
+                sent += update.samples[0].new_token_ids
+        assert core.sent == {}  # nothing kept for a finished request
+    finally:
+        core.close()
+    offline = LLM(str(tiny_model_dir), **ENGINE)
+    assert sent == offline.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    offline.close()
 
 
 def test_one_engine_serves_event_loops_one_after_another_and_at_once(tiny_model_dir: Path) -> None:
