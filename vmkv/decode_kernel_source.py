@@ -277,14 +277,25 @@ static void write_out(kv_t* o, const partial_t* st) {
 }
 
 /* Attention of every sequence's query row over its context, for one layer.
-   q/out: [T, num_kv_heads * GROUP, HEAD_DIM] contiguous; kc/vc: the layer's K/V base.
+   q/out: [T, num_kv_heads * GROUP, HEAD_DIM] contiguous; kc/vc: the layer's K/V base;
+   k_new/v_new (or NULL): [T, num_kv_heads, HEAD_DIM] contiguous, the step's new tokens.
    Work items are (sequence, KV head, context piece): one K and one V stream per item.
    (Items of all heads of a token, reading token-major rows whole, were 1.5x slower on
    token-major and paged K/V, measured.) Contexts are split only when items are too few
    to keep every thread busy, and the pieces' states are then combined. */
-int decode_attention(const plan_t* p, const kv_t* q, const kv_t* kc, const kv_t* vc, kv_t* out, float scale,
-                     int num_threads) {
+int decode_attention(const plan_t* p, const kv_t* q, kv_t* kc, kv_t* vc, kv_t* out, float scale,
+                     int num_threads, const kv_t* k_new, const kv_t* v_new) {
     const int64_t hkv = p->num_kv_heads, q_row = hkv * GROUP * HEAD_DIM;
+    if (k_new)  /* append each sequence's new token (its last) from k_new/v_new rows first */
+        for (int64_t b = 0; b < p->num_seqs; b++) {
+            cursor_t cur;
+            cursor_start(&cur, p, b, p->lens[b] - 1);
+            const int64_t off = cursor_next(&cur), src = p->rows[b] * hkv * HEAD_DIM;
+            for (int64_t h = 0; h < hkv; h++) {
+                memcpy(kc + off + h * p->head_stride, k_new + src + h * HEAD_DIM, HEAD_DIM * sizeof(kv_t));
+                memcpy(vc + off + h * p->head_stride, v_new + src + h * HEAD_DIM, HEAD_DIM * sizeof(kv_t));
+            }
+        }
     const float scale2 = scale * 1.44269504089f;  /* softmax in base 2 */
     int64_t total = 0;
     for (int64_t b = 0; b < p->num_seqs; b++) total += p->lens[b];

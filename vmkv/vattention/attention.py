@@ -248,16 +248,19 @@ def attend_dense(
     """Write k/v [T, Hkv, D] into the slots, then attend q [T, Hq, D]; returns [T, Hq, D]."""
     if plan.use_flash:
         return _attend_flash(k_cache, v_cache, q, k, v, plan, scale)
-    k_cache[plan.write_slot, plan.write_pos] = k
-    v_cache[plan.write_slot, plan.write_pos] = v
     num_kv = k_cache.shape[2]
     group = q.shape[1] // num_kv
-    out = torch.empty_like(q)
     kd = plan.kernel_decode
+    kernel = plan.kernels.get(group) if kd is not None else None
+    appends = kernel is not None and plan.batch.is_decode_only  # the kernel writes every new token
+    if not appends:
+        k_cache[plan.write_slot, plan.write_pos] = k
+        v_cache[plan.write_slot, plan.write_pos] = v
+    out = torch.empty_like(q)
     if kd is not None:
-        kernel = plan.kernels.get(group)
         if kernel is not None:
-            kernel(kd.plan, q.contiguous(), k_cache, v_cache, out, scale)
+            new = (k.contiguous(), v.contiguous()) if appends else None
+            kernel(kd.plan, q.contiguous(), k_cache, v_cache, out, scale, new)
         else:  # no compiler after all: this step's decodes one by one, later plans group them
             for row, slot, length in zip(kd.rows.tolist(), kd.slots, kd.lens, strict=True):
                 keys = k_cache[slot, :length].transpose(0, 1).unsqueeze(0)
