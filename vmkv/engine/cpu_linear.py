@@ -95,10 +95,10 @@ def _native_linear(
 ) -> torch.Tensor:
     """x [..., K] (any strides) @ weight [N, K].T (+ bias) -> [..., N]: the GEMV kernel for a few
     rows where it runs, else oneDNN on the prepacked weight."""
-    rows = x.reshape(-1, x.shape[-1])
-    gemv = _gemv()
-    if gemv is not None and gemv_kernel.can_run(rows, weight):
-        return gemv(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if x.numel() <= gemv_kernel.MAX_ROWS * x.shape[-1] and (gemv := _gemv()) is not None:
+        rows = x.reshape(-1, x.shape[-1])
+        if gemv_kernel.can_run(rows, weight):
+            return gemv(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
