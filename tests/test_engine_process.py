@@ -5,6 +5,8 @@ server stops."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -30,7 +32,13 @@ from vmkv.engine import (
 from vmkv.engine.engine_core import EngineCore
 from vmkv.engine.ipc import AddRequest, new_addresses
 
-ENGINE = {"kv_mode": "paged", "dtype": "float32", "max_model_len": 128, "kv_budget_bytes": 8 << 20}
+ENGINE = {
+    "kv_mode": "paged",
+    "dtype": "float32",
+    "max_model_len": 128,
+    "kv_budget_bytes": 8 << 20,
+    "num_threads": 1,
+}
 PROMPTS = ["The capital of France is", "Once upon a time", [5, 6, 7, 8, 9]]
 PARAMS = [
     SamplingParams(temperature=0, max_tokens=24, stop=["e", "ou"]),  # stop strings, cut from the text
@@ -168,21 +176,15 @@ def engine_sockets() -> set[str]:
     return {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines() if "@vmkv-" in line}
 
 
-@pytest.fixture
-def server(tiny_model_dir: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`vmkv serve` as a user starts it, on a free loopback port."""
+@contextlib.contextmanager
+def vmkv_serve(model_dir: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`vmkv serve` as a user starts it, on a free loopback port, until it is healthy."""
     port = free_port()
-    command = [sys.executable, "-m", "vmkv.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port)]
-    command += [
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "128",
-        "--kv-budget-mib",
-        "8",
-        "--log-level",
-        "warning",
-    ]
+    command = [sys.executable, "-m", "vmkv.cli", "serve", "--model", str(model_dir), "--port", str(port)]
+    # one torch thread: the server, its engine and this client share the cores, and a parallel
+    # region waits for whichever of its threads another process has descheduled
+    command += ["--dtype", "float32", "--kv-budget-mib", "8", "--num-threads", "1", "--log-level", "warning"]
+    command += flags
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
 
@@ -200,6 +202,12 @@ def server(tiny_model_dir: Path) -> Iterator[tuple[subprocess.Popen, str]]:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def server(tiny_model_dir: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    with vmkv_serve(tiny_model_dir, "--max-model-len", "128") as served:
+        yield served
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -228,3 +236,42 @@ def test_a_killed_server_takes_its_engine_along(server: tuple[subprocess.Popen, 
     process.kill()
     process.wait()
     wait_until(lambda: not alive(engine_pid), 15, "the engine process was orphaned")
+
+
+def test_sigterm_drains_finishes_what_it_can_and_ends_the_rest_cleanly(tiny_model_dir: Path) -> None:
+    grace = ("--shutdown-grace-seconds", "1.5", "--max-model-len", "2048")
+    with vmkv_serve(tiny_model_dir, *grace) as (process, url), httpx.Client(base_url=url, timeout=60) as http:
+        [engine_pid] = children(process.pid)
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Hello", "ignore_eos": True, "stream": True}
+        long_events: list[str] = []
+        first_event = threading.Event()
+
+        def stream_long() -> None:  # far longer than the grace period
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json={**body, "max_tokens": 1900}, timeout=60
+            ) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        long_events.append(line.removeprefix("data: "))
+                        first_event.set()
+
+        long = threading.Thread(target=stream_long)
+        long.start()
+        assert first_event.wait(30)
+        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 16}) as short:
+            process.send_signal(signal.SIGTERM)
+            refused = http.post("/v1/completions", json={**body, "stream": False})
+            short_events = [
+                line.removeprefix("data: ") for line in short.iter_lines() if line.startswith("data: ")
+            ]
+        long.join(timeout=60)
+        assert process.wait(timeout=30) == 0
+
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert "shutting down" in refused.json()["error"]["message"]
+    assert short_events[-1] == "[DONE]"  # finished within the grace period, whole
+    assert json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
+    assert long_events[-1] == "[DONE]"  # cut after the grace period, with a reason
+    assert json.loads(long_events[-2])["error"]["code"] == 503
+    wait_until(lambda: not alive(engine_pid), 15, "the engine process outlived the server")

@@ -92,6 +92,8 @@ def start_engine(model_dir: str, kv_mode: str, in_process: bool = False) -> Engi
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
         kv_budget_bytes=KV_BUDGET_BYTES,
+        # the engine process shares the cores with this server and its clients; see conftest
+        num_threads=1 if not in_process else None,
     )
     return EngineClient(llm)
 
@@ -618,6 +620,7 @@ def fuzz_url(tiny_model_dir: Path) -> Iterator[str]:
         model=str(tiny_model_dir),
         kv_mode="paged",
         dtype="float32",
+        num_threads=1,
         max_model_len=FUZZ_MAX_MODEL_LEN,
         max_num_seqs=8,
         max_num_batched_tokens=64,

@@ -11,6 +11,7 @@ from vmkv.engine import AsyncLLM, AsyncProcessLLM, EngineConfig, EngineStartErro
 from vmkv.engine.config import DTYPES, KV_MODES, PREEMPTION_MODES
 from vmkv.model.store import DEFAULT_MODEL
 from vmkv.server.app import build_app
+from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
 from vmkv.server.engine_client import EngineClient
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES
 
@@ -46,6 +47,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies get 413",
+    )
+    server.add_argument(
+        "--shutdown-grace-seconds",
+        type=float,
+        default=DEFAULT_GRACE_SECONDS,
+        help="on SIGTERM or Ctrl-C, how long requests in flight may run on before they are ended",
     )
     server.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -119,9 +126,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def serve_main(args: argparse.Namespace) -> None:
     """Serve until interrupted; the engine is shut down (KV freed) on the way out."""
-    config = engine_config(args)
+    engine_settings = engine_config(args)
     try:
-        llm = AsyncProcessLLM(config) if args.engine_process else AsyncLLM(config)
+        llm = AsyncProcessLLM(engine_settings) if args.engine_process else AsyncLLM(engine_settings)
     except EngineStartError as error:
         raise SystemExit(f"vmkv: error: {error}") from error
     engine = EngineClient(llm)
@@ -132,11 +139,13 @@ def serve_main(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         owns_engine=True,
     )
+    drain = Drain(app)
+    config = uvicorn.Config(
+        drain, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
     try:
-        uvicorn.run(
-            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
-        )
+        DrainingServer(config, drain, engine.shutdown, args.shutdown_grace_seconds).run()
     except KeyboardInterrupt:
-        pass  # Ctrl-C: uvicorn has drained and re-raised it; the engine is already stopped
+        pass  # a second Ctrl-C: uvicorn has stopped at once and re-raised it
     finally:
         engine.shutdown()
