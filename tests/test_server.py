@@ -491,21 +491,34 @@ def test_oversized_bodies_get_413(served: Served) -> None:
         assert http.get("/health").status_code == 200
 
 
-def test_api_key_guards_v1_routes(served: Served) -> None:
+def test_api_keys_guard_every_route_but_the_probes(served: Served) -> None:
     with (
-        LiveServer(build_app(served.engine, MODEL, api_key="sesame")) as server,
+        LiveServer(build_app(served.engine, MODEL, api_keys=["sesame", "open"])) as server,
         httpx.Client(base_url=server.url) as http,
     ):
         body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
         assert_openai_error(http.post("/v1/completions", json=body), 401, None)
         wrong = {"Authorization": "Bearer guess"}
         assert_openai_error(http.post("/v1/completions", json=body, headers=wrong), 401, None)
-        assert_openai_error(http.get("/v1/models", headers=wrong), 401, None)
-        assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sesame", max_retries=0)
-        assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+        # the key is checked before the body is read: malformed JSON tells a stranger nothing
+        assert_openai_error(http.post("/v1/completions", content=b"{not json", headers=wrong), 401, None)
+        for path in ("/v1/models", "/metrics", "/docs", "/redoc", "/openapi.json"):
+            assert_openai_error(http.get(path, headers=wrong), 401, None)
+        assert http.get("/health").status_code == 200 and http.get("/version").status_code == 200
+        assert http.get("/metrics", headers={"Authorization": "Bearer open"}).status_code == 200
+        for key in ("sesame", "open"):
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+            assert (
+                client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+            )
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="guess", max_retries=0).models.list()
+    with (
+        LiveServer(build_app(served.engine, MODEL, api_keys=["sesame"], open_metrics=True)) as server,
+        httpx.Client(base_url=server.url) as http,
+    ):
+        assert http.get("/metrics").status_code == 200
+        assert_openai_error(http.get("/v1/models"), 401, None)
 
 
 def _shut_down(engine: EngineClient) -> None:

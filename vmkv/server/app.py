@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from vmkv.server.engine_client import EngineClient, EngineDeadError
 from vmkv.server.errors import error_response, install_error_handlers
-from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, api_key_checker
+from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, APIKeyGuard, BodySizeLimit
 from vmkv.server.metrics import CONTENT_TYPE, ServingMetrics
 from vmkv.server.protocol import (
     ChatCompletionRequest,
@@ -48,16 +48,17 @@ def package_version() -> str:
 def build_app(
     engine: EngineClient,
     served_model_name: str,
-    api_key: str | None = None,
+    api_keys: Sequence[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     owns_engine: bool = False,
+    open_metrics: bool = False,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
     With `owns_engine`, the app stops the engine when it stops (the server's own engine; apps
-    that share one engine leave that to its owner). With `api_key`, the /v1 and tokenizer
-    routes want `Authorization: Bearer <api_key>`; /health, /metrics and /version stay open
-    for probes and scrapers.
+    that share one engine leave that to its owner). With `api_keys`, every route but the probes
+    (/health, /version) wants `Authorization: Bearer <one of them>`; /metrics too unless
+    `open_metrics`.
     """
     serving = OpenAIServing(engine, served_model_name, ServingMetrics(served_model_name))
 
@@ -77,27 +78,27 @@ def build_app(
     )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if api_keys:  # added last, so it runs first
+        app.add_middleware(APIKeyGuard, keys=list(api_keys), open_metrics=open_metrics)
 
-    guarded = APIRouter(
-        dependencies=[Depends(api_key_checker(api_key))] if api_key else [], responses=ERROR_RESPONSES
-    )
+    api = APIRouter(responses=ERROR_RESPONSES)
 
-    @guarded.post("/v1/completions", response_model=None, responses=stream_or_json(CompletionResponse))
+    @api.post("/v1/completions", response_model=None, responses=stream_or_json(CompletionResponse))
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
 
-    @guarded.post(
+    @api.post(
         "/v1/chat/completions", response_model=None, responses=stream_or_json(ChatCompletionResponse)
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
-    @guarded.get("/v1/models")
+    @api.get("/v1/models")
     async def list_models() -> ModelList:
         card = ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
         return ModelList(data=[card])
 
-    @guarded.post("/tokenize")
+    @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
         if body.messages is not None:
@@ -107,7 +108,7 @@ def build_app(
             tokens = serving.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
 
-    @guarded.post("/detokenize")
+    @api.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(body.model)
         serving.check_token_ids(body.tokens, "tokens")
@@ -130,5 +131,5 @@ def build_app(
     async def server_version() -> VersionResponse:
         return VersionResponse(version=app.version)
 
-    app.include_router(guarded)
+    app.include_router(api)
     return app

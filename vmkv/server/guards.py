@@ -1,16 +1,15 @@
-"""Checks every request passes before a handler runs: body size and the API key."""
+"""Checks every request passes before a handler runs: the API key and the body size."""
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Sequence
 
-from fastapi import Request
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vmkv.server.errors import APIError, error_response
+from vmkv.server.errors import error_response
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -56,13 +55,35 @@ class BodySizeLimit:
         return f"request body of {size} bytes is over the limit of {self.max_bytes} bytes"
 
 
-def api_key_checker(api_key: str) -> Callable[[Request], None]:
-    """A FastAPI dependency that accepts only `Authorization: Bearer <api_key>`."""
-    expected = f"Bearer {api_key}".encode()
+PROBE_PATHS = ("/health", "/version")  # what a load balancer or orchestrator asks without a key
 
-    def check_api_key(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
 
-    return check_api_key
+class APIKeyGuard:
+    """Answers 401 unless the request carries `Authorization: Bearer <key>` for one of `keys`.
+
+    It runs before anything else reads the request, so an unauthenticated caller learns
+    nothing (not even whether its JSON parses). Every route wants a key, the API docs and the
+    metrics included (their counters would tell a stranger whether a prompt is cached), except
+    the probes, and /metrics when `open_metrics`. Each key is compared in constant time, and
+    all of them always, so the time taken tells nothing about which one came close.
+    """
+
+    def __init__(self, app: ASGIApp, keys: Sequence[str], open_metrics: bool = False) -> None:
+        if not keys or any(not isinstance(key, str) or not key for key in keys):
+            raise ValueError("API keys must be non-empty strings")
+        self.app = app
+        self.expected = [f"Bearer {key}".encode() for key in keys]
+        self.open_paths = PROBE_PATHS + (("/metrics",) if open_metrics else ())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("authorization", "").encode()
+        matches = [secrets.compare_digest(given, expected) for expected in self.expected]
+        if not any(matches):
+            response = error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

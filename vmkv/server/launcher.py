@@ -39,8 +39,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--port", type=int, default=8000)
     server.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1 and tokenizer routes (env {API_KEY_ENV})",
+        dest="api_keys",
+        action="append",
+        default=[key for key in os.environ.get(API_KEY_ENV, "").split(",") if key],
+        help="require 'Authorization: Bearer KEY' on every route but /health and /version; "
+        f"repeat for several keys (env {API_KEY_ENV}, comma-separated)",
+    )
+    server.add_argument(
+        "--metrics-without-key",
+        action="store_true",
+        help="with --api-key, let /metrics answer without a key (for a scraper on a private network)",
     )
     server.add_argument(
         "--max-body-bytes",
@@ -135,7 +143,8 @@ def serve_main(args: argparse.Namespace) -> None:
     app = build_app(
         engine,
         args.served_model_name or args.model,
-        api_key=args.api_key,
+        api_keys=args.api_keys,
+        open_metrics=args.metrics_without_key,
         max_body_bytes=args.max_body_bytes,
         owns_engine=True,
     )
