@@ -45,7 +45,7 @@ typedef uint32_t vu __attribute__((vector_size(V * 4)));
 /* load2 reads elements [0, 2V) of p into two fp32 vectors. For bf16 the split is even /
    odd elements: each 32-bit lane holds two bf16, and (lane << 16), (lane & 0xffff0000) are
    the two as fp32 (2 ops for 2V elements). Other types split into halves. Accumulators keep
-   the same order; only pos() (the element a lane holds) knows it, for the final store. */
+   the same order; store2 is load2's inverse, for the output. */
 #if defined(KV_BF16)
 typedef uint16_t kv_t;
 static inline void load2(const kv_t* p, vf* a, vf* b) {
@@ -53,12 +53,13 @@ static inline void load2(const kv_t* p, vf* a, vf* b) {
     const vu lo = raw << 16, hi = raw & 0xffff0000u;
     memcpy(a, &lo, sizeof *a); memcpy(b, &hi, sizeof *b);
 }
-static inline int pos(int half, int lane) { return 2 * lane + half; }
-static inline kv_t store1(float f) {  /* round to nearest even; NaN stays NaN */
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (kv_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (kv_t)(u >> 16);
+static inline void store2(kv_t* p, vf a, vf b) {  /* round to nearest even; NaN stays NaN */
+    vu ua, ub; memcpy(&ua, &a, sizeof ua); memcpy(&ub, &b, sizeof ub);
+    const vu nan_a = (vu)(a != a), nan_b = (vu)(b != b);
+    ua = ((ua + 0x7fffu + ((ua >> 16) & 1u)) & ~nan_a) | (0x7fc00000u & nan_a);
+    ub = ((ub + 0x7fffu + ((ub >> 16) & 1u)) & ~nan_b) | (0x7fc00000u & nan_b);
+    const vu packed = (ua >> 16) | (ub & 0xffff0000u);
+    memcpy(p, &packed, sizeof packed);
 }
 #else
 #if defined(KV_F16)
@@ -72,8 +73,9 @@ typedef float kv_t;
 static inline vf load_v(const kv_t* p) { vf r; memcpy(&r, p, sizeof r); return r; }
 #endif
 static inline void load2(const kv_t* p, vf* a, vf* b) { *a = load_v(p); *b = load_v(p + V); }
-static inline int pos(int half, int lane) { return half * V + lane; }
-static inline kv_t store1(float f) { return (kv_t)f; }
+static inline void store2(kv_t* p, vf a, vf b) {
+    for (int i = 0; i < V; i++) { p[i] = (kv_t)a[i]; p[V + i] = (kv_t)b[i]; }
+}
 #endif
 static inline void load_row(const kv_t* p, vf* r) {  /* r[NC] */
     for (int c = 0; c < NP; c++) load2(p + c * 2 * V, &r[2 * c], &r[2 * c + 1]);
@@ -266,13 +268,16 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
     }
 }
 
-/* The state's accumulators are in load_row's order; pos() maps them back to elements. */
+/* The state's accumulators are in load_row's order; store2 puts them back in place. */
 static void write_out(kv_t* o, const partial_t* st) {
     for (int g = 0; g < GROUP; g++) {
         const float inv = 1.f / st->l[g];
-        for (int j = 0; j < NC; j++)
-            for (int i = 0; i < V; i++)
-                o[g * HEAD_DIM + (j / 2) * 2 * V + pos(j % 2, i)] = store1(st->acc[g][j * V + i] * inv);
+        for (int c = 0; c < NP; c++) {
+            vf a, b;
+            memcpy(&a, st->acc[g] + 2 * c * V, sizeof a);
+            memcpy(&b, st->acc[g] + (2 * c + 1) * V, sizeof b);
+            store2(o + g * HEAD_DIM + c * 2 * V, a * inv, b * inv);
+        }
     }
 }
 
