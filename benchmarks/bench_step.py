@@ -90,13 +90,14 @@ def main() -> None:
     rng = random.Random(0)
     results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for round_index in range(args.rounds):
-        for name, llm in targets.items():
-            for key, value in measure(llm, args.sections, rng, vocab).items():
-                results[key][name].append(value)
-            print(f"round {round_index + 1}: {name} done", file=sys.stderr, flush=True)
+        samples = {name: measure(llm, args.sections, rng, vocab) for name, llm in targets.items()}
         if peer is not None and {"tpot", "prefill"} & set(args.sections):
-            for key, value in peer.round().items():
-                results[key]["vLLM"].append(value)
+            samples["vLLM"] = peer.round()
+        for name, figures in samples.items():
+            for key, value in figures.items():
+                results[key][name].append(value)
+            shown = ", ".join(f"{key} {value:,.1f}" for key, value in figures.items())
+            print(f"round {round_index + 1}: {name}: {shown}", file=sys.stderr, flush=True)
     if peer is not None:
         peer.close()
     for llm in targets.values():
@@ -190,11 +191,14 @@ class Peer:
             env=env,
         )
         start = time.monotonic()
-        for line in self.proc.stdout:
-            if line.strip() == "ready":
-                break
-        else:
-            raise RuntimeError(f"the peer exited with {self.proc.wait()} before it was ready")
+        try:
+            for line in self.proc.stdout:
+                if line.strip() == "ready":
+                    break
+            else:
+                raise RuntimeError(f"the peer exited with {self.proc.wait()} before it was ready")
+        finally:
+            os.unlink(self._script.name)  # read at start-up
         print(f"vLLM: ready in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
 
     def round(self) -> dict[str, float]:
@@ -208,7 +212,6 @@ class Peer:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=120)
-        os.unlink(self._script.name)
 
 
 def print_table(
