@@ -430,6 +430,11 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": CHAT, "seed": 1.5}, 400, "seed"),
     ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
     ("/tokenize", {}, 400, None),
+    # far past any max_model_len: refused before tokenizing; long: tokenized off the event loop
+    ("/v1/completions", {"prompt": "word " * 200_000}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 200_000}]}, 400, "messages"),
+    ("/tokenize", {"prompt": "word " * 200_000}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "w" * 9000}, 400, "prompt"),
 ]
 
 
@@ -470,6 +475,14 @@ def test_error_matrix_keeps_the_server_healthy_and_other_requests_whole(served: 
             http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 2}).status_code
             == 200
         )
+
+
+def test_a_huge_prompt_is_refused_untokenized_and_a_long_one_tokenized_off_the_loop(served: Served) -> None:
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        huge = http.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 200_000})
+        long = http.post("/v1/completions", json={"model": MODEL, "prompt": "w" * 9000})
+    assert "1000000 characters" in huge.json()["error"]["message"]
+    assert "maximum context length" in long.json()["error"]["message"]  # counted in tokens
 
 
 def test_oversized_bodies_get_413(served: Served) -> None:

@@ -87,9 +87,7 @@ def build_app(
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
 
-    @api.post(
-        "/v1/chat/completions", response_model=None, responses=stream_or_json(ChatCompletionResponse)
-    )
+    @api.post("/v1/chat/completions", response_model=None, responses=stream_or_json(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
@@ -103,9 +101,11 @@ def build_app(
         serving.check_model(body.model)
         if body.messages is not None:
             text = serving.render_chat(body.messages, body.add_generation_prompt)
-            tokens = serving.encode(text, add_special_tokens=False)
+            tokens = await serving.encode(text, add_special_tokens=False, param="messages")
         else:
-            tokens = serving.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await serving.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens, param="prompt"
+            )
         return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
 
     @api.post("/detokenize")

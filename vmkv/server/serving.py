@@ -99,11 +99,21 @@ class ClientDisconnected(Exception):
     """The client went away before its answer was ready."""
 
 
+# Texts longer than this are tokenized on a worker thread, so the event loop keeps serving.
+INLINE_TOKENIZE_CHARS = 8192
+# Normalization can merge characters (NFC composition), so a text of C characters may hold as
+# few as C / (2 x the longest token); the bound below allows twice that and more.
+PROMPT_CHARS_SLACK = 4
+
+
 class OpenAIServing:
     def __init__(self, engine: EngineClient, model_name: str, metrics: ServingMetrics) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        # No text longer than this fits max_model_len, whatever it says: refused untokenized.
+        longest_token = max(len(token) for token in engine.tokenizer.get_vocab())
+        self.max_prompt_chars = PROMPT_CHARS_SLACK * engine.max_model_len * longest_token
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -138,8 +148,19 @@ class OpenAIServing:
         except Exception as error:  # a template may refuse a conversation (e.g. its role order)
             raise bad_request(f"the chat template refused these messages: {error}", "messages") from error
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of `text`; a text far too long is refused before any tokenizing, and a long
+        one is tokenized off the event loop (a 4 MB prompt once held every stream for 3 s)."""
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(
+                f"the text has {len(text)} characters; no text over {self.max_prompt_chars} fits this "
+                f"model's maximum context length of {self.engine.max_model_len} tokens",
+                param,
+            )
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        encoding = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=add_special_tokens)
+        return encoding["input_ids"]
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
         """The request's generation budget; refuses one that cannot fit in max_model_len."""
@@ -197,7 +218,7 @@ class OpenAIServing:
         self.check_alive()
         request_id = random_id("cmpl")
         submissions = []
-        for i, prompt_ids in enumerate(self.completion_prompts(body)):
+        for i, prompt_ids in enumerate(await self.completion_prompts(body)):
             max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, "prompt")
             submissions.append(
                 self.submission(f"{request_id}-{i}", prompt_ids, body, max_tokens, body.logprobs, i * body.n)
@@ -226,7 +247,7 @@ class OpenAIServing:
         )
         return JSONResponse(response.model_dump())
 
-    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+    async def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         """The request's prompts as token ids: one text, several texts, one id list or several."""
         prompt = body.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -234,7 +255,7 @@ class OpenAIServing:
         if not prompt or any(len(item) == 0 for item in prompt):
             raise bad_request("the prompt is empty", "prompt")
         if isinstance(prompt[0], str):
-            return [self.encode(text, add_special_tokens=True) for text in prompt]
+            return [await self.encode(text, add_special_tokens=True, param="prompt") for text in prompt]
         for token_ids in prompt:
             self.check_token_ids(token_ids, "prompt")
         return [list(token_ids) for token_ids in prompt]
@@ -301,7 +322,7 @@ class OpenAIServing:
         self.check_model(body.model)
         self.check_alive()
         text = self.render_chat(body.messages, body.add_generation_prompt)
-        prompt_ids = self.encode(text, add_special_tokens=False)
+        prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         request_id = random_id("chatcmpl")
