@@ -5,6 +5,7 @@ server), driven by the `openai` client and by httpx."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from schemathesis.checks import positive_data_acceptance
 from vmkv.engine import AsyncLLM, AsyncProcessLLM
 from vmkv.engine.config import KV_MODES
 from vmkv.server import EngineClient, build_app
+from vmkv.server.limits import RequestLimits
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -435,6 +437,10 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 200_000}]}, 400, "messages"),
     ("/tokenize", {"prompt": "word " * 200_000}, 400, "prompt"),
     ("/v1/completions", {"prompt": "w" * 9000}, 400, "prompt"),
+    # no unbounded work per request
+    ("/v1/completions", {"prompt": ["x"] * 65}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["x"] * 3, "n": 100}, 400, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
 ]
 
 
@@ -483,6 +489,24 @@ def test_a_huge_prompt_is_refused_untokenized_and_a_long_one_tokenized_off_the_l
         long = http.post("/v1/completions", json={"model": MODEL, "prompt": "w" * 9000})
     assert "1000000 characters" in huge.json()["error"]["message"]
     assert "maximum context length" in long.json()["error"]["message"]  # counted in tokens
+
+
+def test_a_full_queue_answers_429_with_retry_after(served: Served) -> None:
+    if not isinstance(served.llm, AsyncProcessLLM):
+        pytest.skip("needs a stats snapshot nothing refreshes while idle: the engine process's")
+    served.wait_idle()
+    with LiveServer(build_app(served.engine, MODEL, limits=RequestLimits(max_waiting=2))) as server:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+        idle = served.llm.stats()
+        # the engine is idle, so this snapshot of a full queue stays until the next request
+        served.llm._stats = dataclasses.replace(idle, num_waiting=2)
+        try:
+            full = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        finally:
+            served.llm._stats = idle
+        assert_openai_error(full, 429, None)
+        assert full.headers["retry-after"] == "1"
 
 
 def test_oversized_bodies_get_413(served: Served) -> None:

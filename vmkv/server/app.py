@@ -13,6 +13,7 @@ from fastapi.responses import PlainTextResponse, Response
 from vmkv.server.engine_client import EngineClient, EngineDeadError
 from vmkv.server.errors import error_response, install_error_handlers
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, APIKeyGuard, BodySizeLimit
+from vmkv.server.limits import RequestLimits
 from vmkv.server.metrics import CONTENT_TYPE, ServingMetrics
 from vmkv.server.protocol import (
     ChatCompletionRequest,
@@ -30,7 +31,7 @@ from vmkv.server.protocol import (
 )
 from vmkv.server.serving import OpenAIServing
 
-ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
 
 
 def stream_or_json(model: type) -> dict:
@@ -52,6 +53,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     owns_engine: bool = False,
     open_metrics: bool = False,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -60,7 +62,9 @@ def build_app(
     (/health, /version) wants `Authorization: Bearer <one of them>`; /metrics too unless
     `open_metrics`.
     """
-    serving = OpenAIServing(engine, served_model_name, ServingMetrics(served_model_name))
+    serving = OpenAIServing(
+        engine, served_model_name, ServingMetrics(served_model_name), limits or RequestLimits()
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

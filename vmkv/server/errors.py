@@ -24,6 +24,7 @@ ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -32,11 +33,14 @@ ERROR_TYPES = {
 class APIError(Exception):
     """Raised by a handler to answer with an error; nothing about the engine's state changed."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, retry_after: int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -65,7 +69,10 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
 
 
 def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.param)
+    response = error_response(exc.status, exc.message, exc.param)
+    if exc.retry_after is not None:
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 def _http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -14,6 +14,7 @@ from vmkv.server.app import build_app
 from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
 from vmkv.server.engine_client import EngineClient
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES
+from vmkv.server.limits import RequestLimits
 
 API_KEY_ENV = "VMKV_API_KEY"
 MIB = 1 << 20
@@ -55,6 +56,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies get 413",
+    )
+    limits = RequestLimits()
+    server.add_argument(
+        "--max-prompts-per-request",
+        type=_positive_int,
+        default=limits.max_prompts,
+        help="prompts in one request",
+    )
+    server.add_argument(
+        "--max-samples-per-request",
+        type=_positive_int,
+        default=limits.max_samples,
+        help="prompts x n in one request",
+    )
+    server.add_argument("--max-stop-strings", type=_positive_int, default=limits.max_stop_strings)
+    server.add_argument(
+        "--max-waiting-requests",
+        type=_positive_int,
+        default=limits.max_waiting,
+        help="requests queued in the engine; beyond, new ones get 429 with Retry-After",
     )
     server.add_argument(
         "--shutdown-grace-seconds",
@@ -145,6 +166,12 @@ def serve_main(args: argparse.Namespace) -> None:
         args.served_model_name or args.model,
         api_keys=args.api_keys,
         open_metrics=args.metrics_without_key,
+        limits=RequestLimits(
+            max_prompts=args.max_prompts_per_request,
+            max_samples=args.max_samples_per_request,
+            max_stop_strings=args.max_stop_strings,
+            max_waiting=args.max_waiting_requests,
+        ),
         max_body_bytes=args.max_body_bytes,
         owns_engine=True,
     )

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from vmkv.engine import RequestRejected, SamplingParams
 from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed, SampleDelta, TokenLogprob
 from vmkv.server.errors import APIError, bad_request, error_body
+from vmkv.server.limits import RequestLimits
 from vmkv.server.metrics import RequestTimer, ServingMetrics
 from vmkv.server.protocol import (
     AssistantMessage,
@@ -107,10 +108,13 @@ PROMPT_CHARS_SLACK = 4
 
 
 class OpenAIServing:
-    def __init__(self, engine: EngineClient, model_name: str, metrics: ServingMetrics) -> None:
+    def __init__(
+        self, engine: EngineClient, model_name: str, metrics: ServingMetrics, limits: RequestLimits
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.limits = limits
         # No text longer than this fits max_model_len, whatever it says: refused untokenized.
         longest_token = max(len(token) for token in engine.tokenizer.get_vocab())
         self.max_prompt_chars = PROMPT_CHARS_SLACK * engine.max_model_len * longest_token
@@ -131,6 +135,11 @@ class OpenAIServing:
             self.engine.check_alive()
         except EngineDeadError as error:
             raise APIError(503, str(error)) from error
+
+    def check_limits(self, num_prompts: int, body: SamplingFields) -> None:
+        """400 for a request asking too much; 429 while the engine's queue is full."""
+        self.limits.check(num_prompts, body.n, len(body.stop_strings))
+        self.limits.check_queue(self.engine.stats().num_waiting)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.engine.vocab_size
@@ -218,7 +227,9 @@ class OpenAIServing:
         self.check_alive()
         request_id = random_id("cmpl")
         submissions = []
-        for i, prompt_ids in enumerate(await self.completion_prompts(body)):
+        prompts = completion_prompts(body)
+        self.check_limits(len(prompts), body)
+        for i, prompt_ids in enumerate(await self.prompt_token_ids(prompts)):
             max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, "prompt")
             submissions.append(
                 self.submission(f"{request_id}-{i}", prompt_ids, body, max_tokens, body.logprobs, i * body.n)
@@ -247,18 +258,12 @@ class OpenAIServing:
         )
         return JSONResponse(response.model_dump())
 
-    async def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
-        """The request's prompts as token ids: one text, several texts, one id list or several."""
-        prompt = body.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
-        if not prompt or any(len(item) == 0 for item in prompt):
-            raise bad_request("the prompt is empty", "prompt")
-        if isinstance(prompt[0], str):
-            return [await self.encode(text, add_special_tokens=True, param="prompt") for text in prompt]
-        for token_ids in prompt:
+    async def prompt_token_ids(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+        if isinstance(prompts[0], str):
+            return [await self.encode(text, add_special_tokens=True, param="prompt") for text in prompts]
+        for token_ids in prompts:
             self.check_token_ids(token_ids, "prompt")
-        return [list(token_ids) for token_ids in prompt]
+        return [list(token_ids) for token_ids in prompts]
 
     async def completion_events(
         self, body: CompletionRequest, request_id: str, submissions: list[Submission], timer: RequestTimer
@@ -321,6 +326,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         self.check_alive()
+        self.check_limits(1, body)
         text = self.render_chat(body.messages, body.add_generation_prompt)
         prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
@@ -458,6 +464,16 @@ class OpenAIServing:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def completion_prompts(body: CompletionRequest) -> list[str] | list[list[int]]:
+    """The request's prompts: one text, several texts, one token-id list or several."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt or any(len(item) == 0 for item in prompt):
+        raise bad_request("the prompt is empty", "prompt")
+    return prompt
 
 
 def new_choices(submissions: list[Submission]) -> list[Choice]:
