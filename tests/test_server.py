@@ -437,6 +437,7 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 200_000}]}, 400, "messages"),
     ("/tokenize", {"prompt": "word " * 200_000}, 400, "prompt"),
     ("/v1/completions", {"prompt": "w" * 9000}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     # no unbounded work per request
     ("/v1/completions", {"prompt": ["x"] * 65}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["x"] * 3, "n": 100}, 400, "n"),

@@ -202,6 +202,7 @@ class OpenAIServing:
         choice_offset: int,
     ) -> Submission:
         """An engine request the engine is known to accept (anything else is a 400 here)."""
+        self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         top_k = min(body.top_k, self.engine.vocab_size) if body.top_k is not None and body.top_k > 0 else 0
         params = SamplingParams(
             max_tokens=max_tokens,
