@@ -367,7 +367,7 @@ def test_concurrent_streams_complete_and_free_every_block(served: Served) -> Non
     assert [tokens for _, tokens in results] == [8 + i % 5 for i in range(NUM_CONCURRENT_STREAMS)]
     assert served.wait_idle() == initial_free
     metrics = httpx.get(f"{served.url}/metrics").text
-    assert f'vmkv:e2e_request_latency_seconds_count{{model_name="{MODEL}"}}' in metrics
+    assert f'vllm:e2e_request_latency_seconds_count{{model_name="{MODEL}"}}' in metrics
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_kv(served: Served) -> None:
@@ -636,21 +636,21 @@ def test_metrics_exposition(served: Served) -> None:
         "num_preemptions_total",
         "prefix_cache_queries_total",
         "prefix_cache_hits_total",
-        "kv_cache_allocated_bytes",
-        "kv_cache_fragmentation_bytes",
     ):
+        assert f"vllm:{name}{label}" in samples, name  # vLLM's names: its dashboards read them
+    for name in ("kv_cache_allocated_bytes", "kv_cache_fragmentation_bytes"):
         assert f"vmkv:{name}{label}" in samples, name
-    assert samples[f"vmkv:generation_tokens_total{label}"] >= 4
-    assert samples[f"vmkv:prompt_tokens_total{label}"] >= 1
+    assert samples[f"vllm:generation_tokens_total{label}"] >= 4
+    assert samples[f"vllm:prompt_tokens_total{label}"] >= 1
     for name in (
         "time_to_first_token_seconds",
         "inter_token_latency_seconds",
         "request_time_per_output_token_seconds",
         "e2e_request_latency_seconds",
     ):
-        count = samples[f"vmkv:{name}_count{label}"]
+        count = samples[f"vllm:{name}_count{label}"]
         assert count >= 1
-        assert samples[f'vmkv:{name}_bucket{{model_name="{MODEL}",le="+Inf"}}'] == count
+        assert samples[f'vllm:{name}_bucket{{model_name="{MODEL}",le="+Inf"}}'] == count
     expected_layout_counters = {
         "vattention": ("map_calls_critical", "map_calls_background", "pages_mapped"),
         "paged": ("blocks_allocated", "cow_copies"),

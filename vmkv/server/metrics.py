@@ -1,7 +1,8 @@
 """Prometheus text exposition (format 0.0.4) of the serving metrics, written by hand.
 
-Names follow the common serving convention with the prefix `vmkv:`, so dashboards and
-benchmark scrapers built for it read these unchanged. Latencies are measured here, where
+The metrics vLLM also has carry its names, prefix `vllm:` included, so the dashboards and
+alerts people run against vLLM read them unchanged; those only vmkv has (KV memory, the
+layout's counters) carry the prefix `vmkv:`. Latencies are measured here, where
 the tokens leave for the client; queue and cache figures are read from the engine at
 scrape time. Everything is touched only from the event loop, so no locks are needed.
 """
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 
 from vmkv.engine import EngineStats
 
-PREFIX = "vmkv:"
+COMMON_PREFIX = "vllm:"  # names and meanings as vLLM exports them
+PREFIX = "vmkv:"  # vmkv's own
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Bucket bounds of the common serving convention, so existing dashboards read these unchanged.
@@ -100,7 +102,7 @@ class ServingMetrics:
 
     def render(self, engine: EngineStats) -> str:
         memory = engine.memory
-        samples: list[tuple[str, str, str, float]] = [
+        common: list[tuple[str, str, str, float]] = [
             ("num_requests_running", "gauge", "Requests in the running batch.", engine.num_running),
             (
                 "num_requests_waiting",
@@ -129,6 +131,8 @@ class ServingMetrics:
                 "Tokens generated for finished requests.",
                 self.generation_tokens,
             ),
+        ]
+        own: list[tuple[str, str, str, float]] = [
             (
                 "kv_cache_reserved_bytes",
                 "gauge",
@@ -139,26 +143,28 @@ class ServingMetrics:
             ("kv_cache_used_bytes", "gauge", "KV bytes of stored tokens.", memory.used_bytes),
             ("kv_cache_fragmentation_bytes", "gauge", "KV allocated minus used.", memory.fragmentation_bytes),
         ]
-        samples += [
+        own += [
             (f"kv_{metric_name(key)}", "gauge", f"KV layout counter {key}.", value)
             for key, value in sorted(engine.layout_counters.items())
         ]
         out: list[str] = []
-        for name, kind, help_text, value in samples:
-            self._sample(out, name, kind, help_text, value)
+        for name, kind, help_text, value in common:
+            self._sample(out, COMMON_PREFIX + name, kind, help_text, value)
         for histogram in (self.ttft, self.itl, self.tpot, self.e2e):
             self._histogram(out, histogram)
+        for name, kind, help_text, value in own:
+            self._sample(out, PREFIX + name, kind, help_text, value)
         return "\n".join(out) + "\n"
 
     def _sample(self, out: list[str], name: str, kind: str, help_text: str, value: float) -> None:
         out += [
-            f"# HELP {PREFIX}{name} {help_text}",
-            f"# TYPE {PREFIX}{name} {kind}",
-            f"{PREFIX}{name}{format_labels(self.labels)} {format_value(value)}",
+            f"# HELP {name} {help_text}",
+            f"# TYPE {name} {kind}",
+            f"{name}{format_labels(self.labels)} {format_value(value)}",
         ]
 
     def _histogram(self, out: list[str], histogram: Histogram) -> None:
-        name = PREFIX + histogram.name
+        name = COMMON_PREFIX + histogram.name
         out += [f"# HELP {name} {histogram.help}", f"# TYPE {name} histogram"]
         cumulative = 0
         for bound, count in zip(histogram.buckets, histogram.counts, strict=True):
