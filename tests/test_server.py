@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
-from vmkv.engine import AsyncLLM, AsyncProcessLLM
+from vmkv.engine import AsyncLLM, AsyncProcessLLM, SamplingParams
 from vmkv.engine.config import KV_MODES
 from vmkv.server import EngineClient, build_app
 from vmkv.server.limits import RequestLimits
@@ -317,6 +317,25 @@ def test_stop_string_ends_the_sample(served: Served) -> None:
     )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == text[: text.index(stop)]
+    assert stopped.choices[0].stop_reason == stop  # says which stop ended it, as vLLM does
+
+    async def greedy_token_ids() -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        async for out in served.llm.generate("Hello", params):
+            final = out
+        return final.outputs[0].token_ids
+
+    second_token = asyncio.run(greedy_token_ids())[1]
+    by_id = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "stop_token_ids": [second_token]},
+    )
+    last = [chunk.choices[0] for chunk in by_id if chunk.choices][-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", second_token)
 
 
 def test_models_tokenize_detokenize_version(served: Served) -> None:

@@ -40,6 +40,7 @@ class SampleDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 @dataclass
@@ -119,6 +120,6 @@ def _delta(sample: CompletionOutput, sent: _Sent, num_top: int | None) -> Sample
         len(sample.token_ids),
         newly_finished or sent.finished,
     )
-    return SampleDelta(
-        sample.index, text, token_ids, logprobs, sample.finish_reason if newly_finished else None
-    )
+    if not newly_finished:
+        return SampleDelta(sample.index, text, token_ids, logprobs, None)
+    return SampleDelta(sample.index, text, token_ids, logprobs, sample.finish_reason, sample.stop_reason)

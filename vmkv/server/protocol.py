@@ -166,6 +166,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(
+        default=None, description="The stop string or stop token id that ended the choice, if one did."
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -201,6 +204,9 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(
+        default=None, description="The stop string or stop token id that ended the choice, if one did."
+    )
 
 
 class ChatCompletionResponse(BaseModel):
@@ -228,6 +234,9 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(
+        default=None, description="The stop string or stop token id that ended the choice, if one did."
+    )
 
 
 class ChatCompletionChunk(BaseModel):

@@ -72,13 +72,14 @@ class Choice:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def add(self, delta: SampleDelta) -> None:
         self.text += delta.text
         self.num_tokens += len(delta.token_ids)
         self.logprobs.extend(delta.logprobs or [])
         if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 @dataclass
@@ -252,6 +253,7 @@ class OpenAIServing:
                     if body.logprobs is not None
                     else None,
                     finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
                 )
                 for choice in choices
             ],
@@ -285,6 +287,7 @@ class OpenAIServing:
                                 else None
                             ),
                             finish_reason=item.delta.finish_reason,
+                            stop_reason=item.delta.stop_reason,
                         )
                         for item in step
                         if item.worth_sending(with_logprobs)
@@ -351,6 +354,7 @@ class OpenAIServing:
                     if body.logprobs
                     else None,
                     finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
                 )
                 for choice in choices
             ],
@@ -390,6 +394,7 @@ class OpenAIServing:
                                 else None
                             ),
                             finish_reason=item.delta.finish_reason,
+                            stop_reason=item.delta.stop_reason,
                         )
                         for item in step
                         if item.worth_sending(body.logprobs)
