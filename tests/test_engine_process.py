@@ -172,8 +172,18 @@ def wait_until(condition: object, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def engine_sockets() -> set[str]:
-    return {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines() if "@vmkv-" in line}
+def engine_addresses(engine_pid: int) -> set[str]:
+    """The sockets that engine was told to bind, from its command line."""
+    args = Path(f"/proc/{engine_pid}/cmdline").read_bytes().split(b"\0")
+    return {
+        arg.decode().split("=", 1)[1].removeprefix("ipc://")
+        for arg in args
+        if arg.startswith((b"--commands=", b"--outputs="))
+    }
+
+
+def unix_sockets() -> set[str]:
+    return {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
 
 
 @contextlib.contextmanager
@@ -217,7 +227,8 @@ def test_a_stopped_server_leaves_no_process_socket_or_shared_memory(
     process, url = server
     shm_before = set(os.listdir("/dev/shm"))
     [engine_pid] = children(process.pid)
-    assert engine_sockets(), "the engine's sockets should exist while it runs"
+    sockets = engine_addresses(engine_pid)
+    assert len(sockets) == 2 and sockets <= unix_sockets(), "the engine's sockets should exist while it runs"
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     body = {"model": model, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
     assert (
@@ -226,7 +237,7 @@ def test_a_stopped_server_leaves_no_process_socket_or_shared_memory(
     process.send_signal(signum)
     assert process.wait(timeout=30) in (0, -signum)  # uvicorn re-raises the signal once drained
     wait_until(lambda: not alive(engine_pid), 15, "the engine process outlived the server")
-    assert not engine_sockets()
+    assert not sockets & unix_sockets()
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 

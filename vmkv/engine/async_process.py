@@ -63,20 +63,6 @@ class EngineStartError(RuntimeError):
     """The engine process failed before it was ready; the message says why."""
 
 
-def engine_process_config(config: EngineConfig) -> EngineConfig:
-    """The config, with one core left to this process unless the caller chose a thread count.
-
-    This process (HTTP, detokenization) and the benchmark client need a core now and then; an
-    engine whose torch threads claim every core then waits at each parallel region for the
-    thread that was descheduled. Measured on 2 cores with another process busy: 154 against 46
-    output tok/s for one thread against two (benchmarks/peers/bench_serve.py). vLLM's CPU build
-    keeps one core free the same way. OMP_NUM_THREADS, when set, decides instead.
-    """
-    if config.num_threads is not None or "OMP_NUM_THREADS" in os.environ:
-        return config
-    return replace(config, num_threads=max(1, len(os.sched_getaffinity(0)) - 1))
-
-
 @dataclass(eq=False)
 class _Stream:
     state: RequestState
@@ -86,7 +72,7 @@ class _Stream:
 
 class AsyncProcessLLM:
     def __init__(self, config: EngineConfig | None = None, **kwargs: object) -> None:
-        config = engine_process_config(config or EngineConfig(**kwargs))
+        config = config or EngineConfig(**kwargs)
         model_path = resolve_model(config.model)  # pull and convert here once, not in the child
         self.tokenizer = load_tokenizer(model_path)
         commands_address, outputs_address = new_addresses()

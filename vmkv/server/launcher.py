@@ -114,8 +114,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-threads",
         type=_positive_int,
         default=None,
-        help="torch threads of the engine (default: all cores but one, left to the server; "
-        "one per core with --no-engine-process)",
+        help="torch threads of the engine (default: one per core; fewer where other work keeps a core busy)",
     )
     engine.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs)
     engine.add_argument(
