@@ -1,11 +1,11 @@
 """The messages between the API process and the engine-core process, and their encoding.
 
-Two ZeroMQ sockets, both bound by the API process: commands go PUSH -> PULL to the engine,
-outputs come back PUSH -> PULL. Each message is one msgpack frame (msgspec, with the
-structs below as arrays, so field names are not sent): the API process sends a list of
-commands per event-loop turn, the engine one `StepOutputs` per step that changed
-something. Outputs carry only what is new since the last message, as token ids: the API
-process detokenizes.
+Two ZeroMQ sockets, both bound by the engine (the API process connects, so its sends queue
+from the start): commands go PUSH -> PULL to the engine, outputs come back PUSH -> PULL.
+Each message is one msgpack frame (msgspec, with the structs below as arrays, so field names
+are not sent): the API process sends each command as it comes, the engine one `StepOutputs`
+after every step and after every batch of commands it took. Outputs carry only what is new
+since the last message, as token ids: the API process detokenizes.
 """
 
 from __future__ import annotations
