@@ -151,6 +151,7 @@ def decode_loop(cache: VAttentionKVCache, num_seqs: int, steps: int, seed: int) 
         kv = torch.randn(tokens, SMOL.num_kv_heads, SMOL.head_dim, dtype=SMOL.dtype)
         for layer in range(SMOL.num_layers):
             cache.attend(layer, q, kv, kv, plan, SCALE)
+        cache.finish_step(plan)
         for s in batch:
             lengths[s.seq_id] = s.context_len
             if s.num_new == 1:

@@ -11,7 +11,7 @@ Lifecycle rules, which keep shared KV immutable:
 - copy-on-write happens in `grow`, when the block the next step writes into is shared (the
   partly filled last block after a fork); the data copy is done there, before the step;
 - a block enters the prefix cache once it is full and its KV written in every layer, i.e.
-  after the last layer's `attend` of the step that computed it. A request admitted in the
+  at `finish_step` of the step that computed it. A request admitted in the
   same step as the one still computing a block therefore does not reuse it (it computes its
   own copy); one admitted after that step does.
 """
@@ -56,7 +56,7 @@ class PagedCounters:
     swap_in_seconds: float = 0.0
 
 
-class PagedKVCache(KVCache):
+class PagedKVCache(KVCache[PagedPlan]):
     kind = "paged"
 
     def __init__(
@@ -332,10 +332,17 @@ class PagedKVCache(KVCache):
         k_slots.index_copy_(0, plan.slot_mapping, k)
         v_slots.index_copy_(0, plan.slot_mapping, v)
         k_blocks, v_blocks = self._blocks[layer]
-        out = self.attention.forward(q, k, v, k_blocks, v_blocks, plan, scale)
-        if layer == self.shape.num_layers - 1:
-            self._commit(plan)
-        return out
+        return self.attention.forward(q, k, v, k_blocks, v_blocks, plan, scale)
+
+    def finish_step(self, plan: PagedPlan) -> None:
+        """Every layer wrote the step's KV: advance what is computed, cache full blocks."""
+        for s in plan.batch.steps:
+            seq = self._seqs.get(s.seq_id)
+            if seq is None or seq.swapped is not None:
+                continue
+            seq.num_computed = max(seq.num_computed, s.context_len)
+            if self.enable_prefix_caching:
+                self._cache_computed_blocks(seq)
 
     def close(self) -> None:
         self._seqs.clear()
@@ -415,16 +422,6 @@ class PagedKVCache(KVCache):
             hits.append(block)
             parent = block.key
         return hits
-
-    def _commit(self, plan: PagedPlan) -> None:
-        """After the last layer wrote the step's KV: advance what is computed, cache full blocks."""
-        for s in plan.batch.steps:
-            seq = self._seqs.get(s.seq_id)
-            if seq is None or seq.swapped is not None:
-                continue
-            seq.num_computed = max(seq.num_computed, s.context_len)
-            if self.enable_prefix_caching:
-                self._cache_computed_blocks(seq)
 
     def _cache_computed_blocks(self, seq: PagedSequence) -> None:
         bs = self.block_size

@@ -28,6 +28,7 @@ def write(cache: ContiguousKVCache, steps: list[SeqStep], fill: dict[int, float]
     k = torch.cat([torch.full((s.num_new, 2, 8), fill[s.seq_id]) for s in steps])
     for layer in range(SHAPE.num_layers):
         cache.attend(layer, torch.zeros(batch.num_tokens, 4, 8), k, -k, plan, 1.0)
+    cache.finish_step(plan)
 
 
 def kv_of(cache: ContiguousKVCache, seq_id: int, length: int) -> torch.Tensor:

@@ -95,6 +95,7 @@ class Runner:
                 self.scale,
             )
             results.append((out.float().cpu(), ref))
+        self.cache.finish_step(plan)
         return results
 
     def max_error(self, steps: list[SeqStep]) -> float:

@@ -77,6 +77,7 @@ class PagedLifecycle(RuleBasedStateMachine):
         new = torch.cat([self.truth(s.seq_id, s.context_len)[:, s.num_cached :] for s in steps], dim=1)
         q = torch.randn(batch.num_tokens, Q_HEADS, SHAPE.head_dim, generator=self.gen)
         out = self.cache.attend(0, q, new[0], new[1], plan, SCALE)
+        self.cache.finish_step(plan)
         contexts = [self.truth(s.seq_id, s.context_len) for s in steps]
         ref = reference_attention(q, [c[0] for c in contexts], [c[1] for c in contexts], steps, SCALE)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)

@@ -82,6 +82,9 @@ class TokenCache(KVCache):
     def attend(self, layer, q, k, v, plan, scale):  # noqa: ANN001, ANN201
         raise AssertionError("scheduler tests never run a step")
 
+    def finish_step(self, plan: object) -> None:
+        raise AssertionError("scheduler tests never run a step")
+
 
 SHAPE = KVShape(1, 1, 1, None)  # unused by TokenCache
 

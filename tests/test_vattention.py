@@ -39,6 +39,7 @@ def write(cache: VAttentionKVCache, steps: list[SeqStep], fill: dict[int, float]
     q = torch.zeros(batch.num_tokens, 4, SHAPE.head_dim)
     for layer in range(SHAPE.num_layers):
         cache.attend(layer, q, k, -k, plan, 0.25)
+    cache.finish_step(plan)
 
 
 def stored(cache: VAttentionKVCache, seq_id: int, length: int) -> list[torch.Tensor]:

@@ -86,6 +86,7 @@ class Driver:
                 scale,
             )
             errors.append((out.float().cpu() - ref).abs().max().item())
+        self.cache.finish_step(plan)
         return errors
 
     def run(self, steps: list[SeqStep]) -> list[float]:

@@ -32,7 +32,7 @@ class _Seq:
     host_kv: torch.Tensor | None = None  # [layers, 2, Hkv, length, D] while swapped out
 
 
-class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache):
+class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
     """Static max_len reservation per sequence; fork and swap copy whole contexts."""
 
     kind = "contiguous"
@@ -169,11 +169,14 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache):
         return plan_step(batch, slots, [self.max_len] * len(slots), self.device, self.max_padding)
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object, scale: float
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DenseSlotPlan, scale: float
     ) -> torch.Tensor:
         check_attend_args(self.shape, layer, q, k, v, plan)
         keys, values = self.kv[layer, 0].transpose(1, 2), self.kv[layer, 1].transpose(1, 2)  # [S, L, Hkv, D]
         return attend_dense(keys, values, q, k, v, plan, scale)
+
+    def finish_step(self, plan: DenseSlotPlan) -> None:
+        """Nothing to record: a fork copies the parent's whole context."""
 
     def close(self) -> None:
         self._seqs.clear()

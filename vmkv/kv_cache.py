@@ -2,7 +2,8 @@
 
 The engine never looks inside a layout: it admits, grows, forks and frees sequences,
 asks for free capacity, and once per step turns the batch into a layout-specific plan
-that each layer's attention call reads. Attention itself is model-independent: packed
+that each layer's attention call reads; after the forward pass it tells the layout the
+step's tokens are written (finish_step). Attention itself is model-independent: packed
 (varlen) queries, per-sequence lengths, grouped-query heads, causal within a sequence.
 
 Token positions: a sequence's KV occupies positions 0..len-1. In one step a sequence
@@ -15,6 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -126,8 +128,15 @@ class KVMemory:
         return self.allocated_bytes - self.used_bytes
 
 
-class KVCache(ABC):
-    """Sequence lifecycle + per-layer write-and-attend, the same for every layout."""
+Plan = TypeVar("Plan")
+
+
+class KVCache(ABC, Generic[Plan]):
+    """Sequence lifecycle + per-layer write-and-attend, the same for every layout.
+
+    Plan is the layout's own step plan: what prepare() returns, every attend() reads and
+    finish_step() consumes once the forward pass has written every layer.
+    """
 
     kind: str
     shape: KVShape
@@ -183,15 +192,21 @@ class KVCache(ABC):
 
     # -------------------------------------------------------------- a step
     @abstractmethod
-    def prepare(self, batch: StepBatch) -> object:
+    def prepare(self, batch: StepBatch) -> Plan:
         """Turn the step's batch into the layout's plan (slots, block tables, ...), once per step."""
 
     @abstractmethod
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object, scale: float
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, scale: float
     ) -> torch.Tensor:
         """Write this step's k/v [T, Hkv, D] for `layer`, then return attention of q [T, Hq, D]
         over each sequence's whole context as [T, Hq, D]."""
+
+    @abstractmethod
+    def finish_step(self, plan: Plan) -> None:
+        """The forward pass has written the plan's tokens in every layer: they count as written
+        from now on (forks share them, prefix caching indexes them). Not called for a step
+        whose forward failed, so nothing half written is ever shared."""
 
     def close(self) -> None:  # noqa: B027 - optional hook; layouts holding no OS resources skip it
         """Give back every resource (driver pages, threads)."""

@@ -82,10 +82,12 @@ class ModelRunner:
                 batch.num_cached - first_rows, counts
             )
 
-        with step_context(cache, cache.prepare(batch)), compiled_stance() if self.compiled else nullcontext():
+        plan = cache.prepare(batch)
+        with step_context(cache, plan), compiled_stance() if self.compiled else nullcontext():
             hidden = self._forward(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False
             ).last_hidden_state[0]
+        cache.finish_step(plan)
         last_rows = [i for i, s in enumerate(scheduled) if s.samples]
         rows = batch.query_start[1:][last_rows] - 1
         return self._logits(hidden[rows])

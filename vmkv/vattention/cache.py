@@ -99,7 +99,7 @@ class _Seq:
     host_kv: torch.Tensor | None = None  # [tensors, length, Hkv, D] while swapped out
 
 
-class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
+class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
     kind = "vattention"
 
     def __init__(
@@ -442,9 +442,8 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
                 slot.pinned = 0
             slots, readable, jobs = [], [], []
             ahead = max(1, self.config.eager_steps)
-            for s, seq in zip(batch.steps, seqs, strict=True):
+            for seq in seqs:
                 slot = self._slots[seq.slot]
-                seq.written = max(seq.written, s.context_len)
                 slot.pinned = len(slot.sets)
                 slots.append(slot.index)
                 readable.append(geo.tokens_backed(len(slot.sets)))
@@ -468,13 +467,21 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache):
         return plan
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object, scale: float
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DenseSlotPlan, scale: float
     ) -> torch.Tensor:
         check_attend_args(self.shape, layer, q, k, v, plan)
         faults = _minor_faults()
         out = attend_dense(self._k[layer], self._v[layer], q, k, v, plan, scale)
         self._counts["minor_faults"] += _minor_faults() - faults
         return out
+
+    def finish_step(self, plan: DenseSlotPlan) -> None:
+        """Every layer wrote the step's tokens: from now on a fork may share their full pages."""
+        with self._lock:
+            for s in plan.batch.steps:
+                seq = self._seqs.get(s.seq_id)
+                if seq is not None and seq.slot >= 0:
+                    seq.written = max(seq.written, s.context_len)
 
     def wait_mapper(self) -> None:
         """Block until the background mapper has run every job submitted so far."""
