@@ -1,4 +1,4 @@
-"""The batched sampler and SamplingParams validation."""
+"""The batched sampler, its logits processors and SamplingParams validation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from vmkv.engine.sampler import Sampler, SampleRow
-from vmkv.engine.sampling_params import SamplingParams
+from vmkv.engine.sampling_params import SamplingParams, StructuredOutput
+from vmkv.engine.structured_output import apply_token_bitmask, new_token_bitmask
 
 
 def rows(params: SamplingParams, count: int, seed: int | None = None) -> list[SampleRow]:
@@ -82,6 +83,14 @@ def test_logprobs_are_top_k_of_the_raw_distribution_plus_the_sampled_token() -> 
         ("stop", [""]),
         ("stop_token_ids", [-3]),
         ("n", True),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", float("inf")),
+        ("repetition_penalty", 0.0),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # more than max_tokens
+        ("min_p", 1.5),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {3: 101.0}),
     ],
 )
 def test_invalid_sampling_params_raise_value_errors_naming_the_field(field: str, value: object) -> None:
@@ -93,3 +102,104 @@ def test_sampling_params_normalise_their_inputs() -> None:
     params = SamplingParams(stop="END", top_k=-1)
     assert params.stop == ["END"] and params.top_k == 0 and not params.greedy
     assert SamplingParams(temperature=0).greedy
+
+
+# ------------------------------------------------------------------------------ logits processors
+EOS = 3
+
+
+def greedy(logits: list[float], prompt: list[int], output: list[int], **params: object) -> int:
+    """The greedy token for one row of `logits` after `prompt` and `output`."""
+    row = SampleRow(
+        SamplingParams(temperature=0.0, max_tokens=32, **params), None, prompt + output, len(prompt)
+    )
+    return Sampler(eos_token_ids=[EOS])(torch.tensor([logits]), [row]).token_ids[0]
+
+
+def test_repetition_penalty_divides_the_logits_of_prompt_and_output_tokens() -> None:
+    logits = [2.0, 1.8, 0.0, -1.0]
+    assert greedy(logits, [0], [], repetition_penalty=1.05) == 0  # 2.0 / 1.05 = 1.90 > 1.8
+    assert greedy(logits, [0], [], repetition_penalty=1.2) == 1  # 2.0 / 1.2 = 1.67 < 1.8
+    assert greedy(logits, [2], [0], repetition_penalty=1.2) == 1  # output tokens count too
+    assert greedy(logits, [2], [], repetition_penalty=1.2) == 0  # unseen tokens keep their logits
+    # a negative logit is multiplied, so it sinks further: [-1, -1.1] -> [-1.5 (seen), -1.1]
+    assert greedy([-1.0, -1.1, -5.0], [0], [], repetition_penalty=1.5) == 1
+    assert greedy([-1.0, -1.1, -5.0], [0], [], repetition_penalty=1.05) == 0
+
+
+def test_frequency_penalty_counts_each_output_occurrence_and_presence_only_one() -> None:
+    logits = [2.0, 1.5, 0.0, 0.0]
+    assert greedy(logits, [1], [0, 0, 0], frequency_penalty=0.1) == 0  # 2.0 - 3 x 0.1 = 1.7
+    assert greedy(logits, [1], [0, 0, 0], frequency_penalty=0.2) == 1  # 2.0 - 3 x 0.2 = 1.4
+    assert greedy(logits, [1], [0, 0, 0], presence_penalty=0.4) == 0  # 2.0 - 0.4, however many
+    assert greedy(logits, [1], [0], presence_penalty=0.6) == 1
+    # the prompt does not count for either (OpenAI's definition)
+    assert greedy(logits, [0, 0, 0, 0], [2], frequency_penalty=2.0, presence_penalty=2.0) == 0
+    # a negative penalty encourages repetition
+    assert greedy([1.0, 1.5, 0.0], [2], [0], presence_penalty=-1.0) == 0
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached() -> None:
+    logits = [0.0, 1.0, 2.0, 5.0]  # EOS (3) is the most likely, then the stop token 2
+    assert greedy(logits, [0], [1], min_tokens=2) == 2
+    assert greedy(logits, [0], [1], min_tokens=2, stop_token_ids=[2]) == 1
+    assert greedy(logits, [0], [1, 1], min_tokens=2) == EOS  # reached: nothing masked
+    assert greedy(logits, [0], [1], min_tokens=2, ignore_eos=True) == EOS  # EOS does not stop it anyway
+
+
+def test_logit_bias_is_added_to_the_listed_tokens() -> None:
+    logits = [2.0, 1.0, 0.0, 0.0]
+    assert greedy(logits, [0], [], logit_bias={1: 0.9}) == 0
+    assert greedy(logits, [0], [], logit_bias={1: 1.1}) == 1
+    assert greedy(logits, [0], [], logit_bias={0: -100.0, 2: 1.5}) == 2
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().unsqueeze(0).repeat(4000, 1)
+    drawn = Sampler(seed=7)(logits, rows(SamplingParams(min_p=0.35), 4000)).token_ids
+    assert set(drawn) == {0, 1}  # 0.15 < 0.35 x 0.5
+    counts = torch.bincount(torch.tensor(drawn), minlength=4).float() / 4000
+    assert counts[0] == pytest.approx(0.5 / 0.8, abs=0.03)  # the rest renormalised
+    # after temperature: at 0.5, probs ~ p^2, so 0.3 falls under 0.4 x the top one (0.36 < 0.4)
+    cold = Sampler(seed=8)(logits[:500], rows(SamplingParams(min_p=0.4, temperature=0.5), 500)).token_ids
+    assert set(cold) == {0}
+
+
+def test_processed_rows_leave_their_neighbours_and_the_logprobs_alone() -> None:
+    logits = torch.randn(6, 80, generator=torch.Generator().manual_seed(9))
+    plain = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=1.0, seed=3)] * 3
+    alone = Sampler(seed=1)(logits, [SampleRow(p, torch.Generator().manual_seed(3)) for p in plain])
+    biased = list(plain)
+    biased[2] = SamplingParams(temperature=0.0, logprobs=1, logit_bias={5: 100.0}, repetition_penalty=2.0)
+    mixed = Sampler(seed=1)(
+        logits, [SampleRow(p, torch.Generator().manual_seed(3), [1, 2], 1) for p in biased]
+    )
+    assert mixed.token_ids[2] == 5
+    assert [t for i, t in enumerate(mixed.token_ids) if i != 2] == [
+        t for i, t in enumerate(alone.token_ids) if i != 2
+    ]
+    # logprobs describe the model's distribution, not the processed one
+    assert mixed.logprobs[2][5] == pytest.approx(float(logits[2].log_softmax(-1)[5]))
+
+
+def test_a_token_bitmask_allows_exactly_its_set_bits() -> None:
+    vocab = 70  # not a multiple of 32: the last word is partial
+    allowed = {0, 5, 31, 32, 63, 64, 69}
+    bitmask = new_token_bitmask(2, vocab)
+    bitmask[0] = 0
+    for token in allowed:
+        word, bit = divmod(token, 32)
+        bitmask[0, word] |= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
+    masked = apply_token_bitmask(torch.zeros(2, vocab), bitmask)
+    assert set(masked[0].isfinite().nonzero().flatten().tolist()) == allowed
+    assert masked[1].isfinite().all()  # new_token_bitmask allows everything
+
+
+def test_structured_outputs_are_validated() -> None:
+    with pytest.raises(ValueError, match="kind"):
+        StructuredOutput("xml", "<a/>")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutput("choice")
+    with pytest.raises(ValueError, match="spec"):
+        StructuredOutput("regex", "")

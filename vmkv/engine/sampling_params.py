@@ -2,7 +2,35 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Literal
+
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output text, compiled into a token mask by vmkv.engine.structured_output.
+
+    kind json: `spec` is a JSON schema (as JSON text); json_object: any JSON object (`spec`
+    empty); regex: a regular expression; choice: one of `choices` exactly; grammar: an EBNF
+    grammar whose start rule is `root`.
+    """
+
+    kind: StructuredKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json", "json_object", "regex", "choice", "grammar"):
+            raise ValueError(
+                f"structured kind must be json, json_object, regex, choice or grammar, got {self.kind!r}"
+            )
+        if self.kind == "choice" and (not self.choices or any(not isinstance(c, str) for c in self.choices)):
+            raise ValueError("a structured choice needs at least one string")
+        if self.kind in ("json", "regex", "grammar") and not self.spec:
+            raise ValueError(f"structured output {self.kind} needs a non-empty spec")
 
 
 @dataclass
@@ -15,6 +43,14 @@ class SamplingParams:
     k most likely tokens at each step (from the unmodified model distribution) plus the
     sampled one. Stop strings are cut from the returned text; stop token ids end the
     sample and stay in token_ids, as the end-of-sequence token does.
+
+    The logits processors follow vLLM's definitions: repetition_penalty divides positive
+    (multiplies negative) logits of tokens seen in the prompt or output; frequency_penalty
+    subtracts penalty x count and presence_penalty subtracts penalty once, for tokens in
+    the output; min_tokens masks end-of-sequence and stop token ids until that many tokens
+    exist; min_p drops tokens below min_p x the top token's probability (after temperature);
+    logit_bias adds its value to each listed token's logit; `structured` masks every token
+    the constraint does not allow and ends the sample when the constraint is complete.
     """
 
     n: int = 1
@@ -28,6 +64,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,10 +94,54 @@ class SamplingParams:
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must hold non-negative integers, got {self.stop_token_ids!r}")
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+                _check_float("logit_bias", bias, -100.0, 100.0)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (then the sampler needs the row's tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler must change this row's logits before picking; rows that do not
+        stay on the plain path and cost nothing extra."""
+        return (
+            self.penalized
+            or self.min_tokens > 0
+            or self.min_p > 0.0
+            or bool(self.logit_bias)
+            or self.structured is not None
+        )
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_float(name: str, value: object, low: float, high: float) -> None:
+    if not _finite(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
