@@ -15,6 +15,7 @@ from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.stop_strings import stop_hold, visible_text
+from vmkv.engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +56,7 @@ class Sequence:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
+    grammar: GrammarState | None = None  # its structured-output matcher (the sampler advances it)
 
     @property
     def num_output(self) -> int:
