@@ -21,7 +21,7 @@ import zmq
 
 from vmkv.engine.ipc import RequestUpdate, SampleUpdate, StepOutputs, encoder, output_decoder
 from vmkv.engine.llm_engine import EngineStats
-from vmkv.kv_cache import KVMemory
+from vmkv.kv_cache import KVMemory, KVStats
 
 ADDRESS = "ipc://@vmkv-bench-ipc"
 
@@ -42,7 +42,20 @@ def step_message(num_requests: int) -> StepOutputs:
         prefix_cache_queries=0,
         prefix_cache_hits=0,
         memory=KVMemory(1 << 30, 1 << 29, 1 << 28),
-        layout_counters={f"counter_{i}": float(i) for i in range(12)},
+        kv_stats=KVStats(  # about what a vattention cache reports
+            unit="page",
+            units_total=1 << 14,
+            units_in_use=1 << 13,
+            units_peak=1 << 13,
+            map_calls_critical=12,
+            map_calls_background=3456,
+            map_seconds_critical=0.01,
+            map_seconds_background=1.5,
+            unmap_calls=789,
+            minor_faults=123,
+            page_sets_total=1 << 10,
+            page_sets_free=1 << 9,
+        ),
     )
     updates = [
         RequestUpdate(f"cmpl-{i:032x}-0", [SampleUpdate(0, [1000 + i], None, None, None)], finished=False)

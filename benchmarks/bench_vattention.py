@@ -160,17 +160,17 @@ def decode_loop(cache: VAttentionKVCache, num_seqs: int, steps: int, seed: int) 
                     cache.free(s.seq_id)
                     del lengths[s.seq_id], budgets[s.seq_id]
         if step == 0:  # the first step's prompts could not have been mapped ahead: count from here
-            first = cache.counters()
-    c = cache.counters()
+            first = cache.stats()
+    c = cache.stats()
     later = steps - 1
     return {
         "step_ms": statistics.median(step_ms),
         "step_p90_ms": sorted(step_ms)[int(0.9 * len(step_ms))],
         "admit_ms": statistics.mean(admit_ms),
-        "maps_critical": (c["map_calls_critical"] - first["map_calls_critical"]) / later,
-        "maps_background": (c["map_calls_background"] - first["map_calls_background"]) / later,
-        "faults": (c["minor_faults"] - first["minor_faults"]) / later,
-        "frag_mib": c["fragmentation_bytes"] / MIB,
+        "maps_critical": (c.map_calls_critical - first.map_calls_critical) / later,
+        "maps_background": (c.map_calls_background - first.map_calls_background) / later,
+        "faults": (c.minor_faults - first.minor_faults) / later,
+        "frag_mib": cache.memory().fragmentation_bytes / MIB,
         "vmas": count_vmas(cache),
     }
 
@@ -259,7 +259,7 @@ def bench_vmas(num_seqs: int, length: int) -> str:
                 [
                     f"{layout}-major",
                     f"{num_seqs} x {length}",
-                    int(cache.counters()["pages_mapped"]),
+                    int(cache.stats().units_in_use),
                     num_seqs * cache.geometry.units,
                     count_vmas(cache),
                     limit,

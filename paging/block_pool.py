@@ -23,9 +23,10 @@ class Block:
 
 
 @dataclass
-class PoolCounters:
+class PoolEvents:
     blocks_allocated: int = 0  # blocks taken for new KV: the paged analogue of page faults
     evictions: int = 0  # cached free blocks whose KV was given up for a new allocation
+    peak_in_use: int = 0  # most blocks in use at once
 
 
 class BlockPool:
@@ -36,7 +37,7 @@ class BlockPool:
         self.plain_free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives low ids first
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self.cached: dict[int, Block] = {}  # block hash -> the block holding that KV
-        self.counters = PoolCounters()
+        self.events = PoolEvents()
 
     @property
     def num_blocks(self) -> int:
@@ -55,15 +56,17 @@ class BlockPool:
             block_id, _ = self.cached_free.popitem(last=False)
             block = self.blocks[block_id]
             self._uncache(block)
-            self.counters.evictions += 1
+            self.events.evictions += 1
         block.ref_count = 1
-        self.counters.blocks_allocated += 1
+        self.events.blocks_allocated += 1
+        self._note_in_use()
         return block
 
     def take(self, block: Block) -> None:
         """One more reference to a block that is in use or cached free (a prefix hit, a fork)."""
         if block.ref_count == 0:
             del self.cached_free[block.block_id]
+            self._note_in_use()
         block.ref_count += 1
 
     def release(self, block: Block) -> None:
@@ -85,6 +88,9 @@ class BlockPool:
         block.block_hash = block_hash
         block.key = key
         self.cached[block_hash] = block
+
+    def _note_in_use(self) -> None:
+        self.events.peak_in_use = max(self.events.peak_in_use, self.num_blocks - self.num_free)
 
     def _uncache(self, block: Block) -> None:
         del self.cached[block.block_hash]

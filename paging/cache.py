@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, OutOfKVMemory, SequenceTooLong, StepBatch
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, SequenceTooLong, StepBatch
 
 from .attention import (
     BatchedAttention,
@@ -43,10 +43,12 @@ ATTENTION_PATHS = ("auto", "reference", "torch", "cpu_kernel", "flash")
 
 
 @dataclass
-class PagedCounters:
+class PagedEvents:
+    """The cache's own event counts (KVStats fields of the same names)."""
+
     cow_copies: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries_total)
-    prefix_cache_hits: int = 0  # of which were found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     prefix_cache_query_blocks: int = 0
     prefix_cache_hit_blocks: int = 0
     hash_collisions: int = 0  # equal hash, different prefix: detected, never shared
@@ -101,7 +103,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         # every running sequence's block table as an int32 tensor of max_len's blocks, updated
         # where the table changes, so prepare() stacks rows instead of converting lists
         self._rows: dict[int, torch.Tensor] = {}
-        self._counters = PagedCounters()
+        self._events = PagedEvents()
 
     def _attention_path(self, name: str) -> PagedAttentionPath:
         if name not in ATTENTION_PATHS:
@@ -162,7 +164,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         seq.num_computed = min(len(hits) * self.block_size, seq.num_tokens - 1)
         self._sync_row(seq, 0)
         if self.enable_prefix_caching:
-            c = self._counters
+            c = self._events
             c.prefix_cache_queries += seq.num_tokens
             c.prefix_cache_hits += seq.num_computed
             c.prefix_cache_query_blocks += len(seq.block_hashes)
@@ -237,16 +239,18 @@ class PagedKVCache(KVCache[PagedPlan]):
             used_bytes=used_tokens * self.shape.bytes_per_token,
         )
 
-    def counters(self) -> dict[str, float]:
+    def stats(self) -> KVStats:
         pool = self.pool
-        return {
-            "blocks_total": pool.num_blocks,
-            "blocks_in_use": pool.num_blocks - pool.num_free,
-            "blocks_cached_free": len(pool.cached_free),
-            "blocks_allocated": pool.counters.blocks_allocated,
-            "prefix_cache_evictions": pool.counters.evictions,
-            **asdict(self._counters),
-        }
+        return KVStats(
+            unit="block",
+            units_total=pool.num_blocks,
+            units_in_use=pool.num_blocks - pool.num_free,
+            units_peak=pool.events.peak_in_use,
+            blocks_cached_free=len(pool.cached_free),
+            blocks_allocated=pool.events.blocks_allocated,
+            prefix_cache_evictions=pool.events.evictions,
+            **asdict(self._events),
+        )
 
     # ----------------------------------------------------------- preemption
     def swap_out(self, seq_ids: Sequence[int]) -> None:
@@ -261,8 +265,8 @@ class PagedKVCache(KVCache[PagedPlan]):
             swapped = SwappedBlocks(host, [slot[b] for b in s.block_table])
             self._release(s)
             s.swapped = swapped
-        self._counters.swap_out_bytes += host.numel() * host.element_size()
-        self._counters.swap_out_seconds += time.perf_counter() - start
+        self._events.swap_out_bytes += host.numel() * host.element_size()
+        self._events.swap_out_seconds += time.perf_counter() - start
 
     def swap_in(self, seq_ids: Sequence[int]) -> None:
         seqs = self._distinct(seq_ids, self._swapped)
@@ -278,7 +282,7 @@ class PagedKVCache(KVCache[PagedPlan]):
             blocks = [self.pool.allocate() for _ in slots]
             copy_from_host(self.kv, host, slots, [b.block_id for b in blocks])
             placed.update(((host_id, slot), b) for slot, b in zip(slots, blocks, strict=True))
-            self._counters.swap_in_bytes += len(slots) * host[:, :, 0].numel() * host.element_size()
+            self._events.swap_in_bytes += len(slots) * host[:, :, 0].numel() * host.element_size()
         taken: set[int] = set()
         for s in seqs:
             blocks = [placed[(id(s.swapped.host), slot)] for slot in s.swapped.slots]
@@ -290,7 +294,7 @@ class PagedKVCache(KVCache[PagedPlan]):
             s.swapped = None
             self._sync_row(s, 0)
             self._recache(s)
-        self._counters.swap_in_seconds += time.perf_counter() - start
+        self._events.swap_in_seconds += time.perf_counter() - start
 
     # -------------------------------------------------------------- a step
     def prepare(self, batch: StepBatch) -> PagedPlan:
@@ -405,7 +409,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         self.kv[:, :, new.block_id].copy_(self.kv[:, :, old.block_id])
         self.pool.release(old)
         seq.block_table[i] = new.block_id
-        self._counters.cow_copies += 1
+        self._events.cow_copies += 1
 
     def _cached_prefix(self, seq: PagedSequence) -> list[Block]:
         """The cached blocks holding seq's longest prefix of full blocks, each hit verified."""
@@ -417,7 +421,7 @@ class PagedKVCache(KVCache[PagedPlan]):
                 break
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             if not block.key.matches(parent, tokens, seq.identity):
-                self._counters.hash_collisions += 1
+                self._events.hash_collisions += 1
                 break
             hits.append(block)
             parent = block.key
@@ -435,7 +439,7 @@ class PagedKVCache(KVCache[PagedPlan]):
             elif cached.key.matches(parent, tokens, seq.identity):
                 key = cached.key  # computed twice at once: keep the cached copy, share its key
             else:
-                self._counters.hash_collisions += 1
+                self._events.hash_collisions += 1
                 key = BlockKey(parent, tokens, seq.identity)
             seq.block_keys.append(key)
 

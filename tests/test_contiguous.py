@@ -77,7 +77,7 @@ def test_fork_copies_the_parent_and_diverges() -> None:
     cache.grow(2, [0])
     write(cache, [SeqStep(1, 6, 1), SeqStep(2, 6, 1)], {1: 4.0, 2: 5.0})
     assert kv_of(cache, 1, 7)[0, 0, :, 6].eq(4.0).all() and kv_of(cache, 2, 7)[0, 0, :, 6].eq(5.0).all()
-    assert cache.counters()["fork_copies"] == 1
+    assert cache.stats().fork_copies == 1
 
 
 def test_swap_round_trip_restores_kv_in_another_slot() -> None:

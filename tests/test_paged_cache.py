@@ -24,7 +24,7 @@ def test_prefill_takes_ceil_blocks_and_decode_one_block_when_the_last_is_full() 
         cache.grow(0, [1])
         counts.append(len(cache._seqs[0].block_table))
     assert counts == [3, 3, 3, 4, 4, 4, 4, 5]  # 10, 11, 12 tokens fit in 3 blocks; 13 needs a 4th
-    assert cache.counters()["blocks_allocated"] == 5
+    assert cache.stats().blocks_allocated == 5
     cache.grow(0, [1, 2, 3, 4, 5, 6])  # several tokens at once (a chunk): 23 tokens -> 6 blocks
     assert len(cache._seqs[0].block_table) == 6
 
@@ -34,21 +34,21 @@ def test_fork_shares_every_block_and_copy_on_write_copies_only_the_written_one()
     runner = Runner(cache, num_q_heads=4)
     cache.admit(0, list(range(10)))  # blocks: full, full, 2 of 4
     runner.max_error([SeqStep(0, 0, 10)])
-    in_use = cache.counters()["blocks_in_use"]
+    in_use = cache.stats().units_in_use
     runner.fork(0, 1)
     assert cache._seqs[1].block_table == cache._seqs[0].block_table
     assert refcounts(cache, 0) == [2, 2, 2]
-    assert cache.counters()["blocks_in_use"] == in_use  # nothing new
+    assert cache.stats().units_in_use == in_use  # nothing new
 
     cache.grow(1, [5])  # the child writes into the shared, partly filled last block: copied
     child, parent = cache._seqs[1].block_table, cache._seqs[0].block_table
     assert child[:2] == parent[:2] and child[2] != parent[2]
     assert refcounts(cache, 0) == [2, 2, 1] and refcounts(cache, 1) == [2, 2, 1]
-    assert cache.counters()["cow_copies"] == 1
+    assert cache.stats().cow_copies == 1
     runner.assert_stored(1)  # the copy carries the shared tokens
 
     cache.grow(0, [6])  # the parent's last block is its own again: no copy
-    assert cache.counters()["cow_copies"] == 1
+    assert cache.stats().cow_copies == 1
     assert runner.max_error([SeqStep(0, 10, 1), SeqStep(1, 10, 1)]) < 2e-5
     runner.assert_stored(0)  # neither write touched the other sequence
     runner.assert_stored(1)
@@ -68,7 +68,7 @@ def test_fork_of_a_full_last_block_needs_no_copy() -> None:
     runner.fork(0, 2)
     for seq_id in range(3):
         cache.grow(seq_id, [seq_id])
-    assert cache.counters()["cow_copies"] == 0
+    assert cache.stats().cow_copies == 0
     assert refcounts(cache, 0) == [3, 3, 1]
     assert runner.max_error([SeqStep(i, 8, 1) for i in range(3)]) < 2e-5
     for seq_id in range(3):
@@ -90,14 +90,14 @@ def test_a_step_may_not_write_a_shared_block() -> None:
 def test_out_of_memory_is_raised_before_any_change_and_the_cache_stays_usable() -> None:
     cache = make_cache(block_size=4, num_blocks=6)
     cache.admit(0, list(range(16)))  # 4 blocks
-    before = (cache.pool.num_free, cache.counters(), list(cache._seqs[0].block_table))
+    before = (cache.pool.num_free, cache.stats(), list(cache._seqs[0].block_table))
     with pytest.raises(OutOfKVMemory) as e:
         cache.admit(1, list(range(100, 112)))  # 3 blocks, 2 free
     assert (e.value.needed, e.value.free, e.value.unit) == (3, 2, "blocks")
     assert 1 not in cache._seqs
     with pytest.raises(OutOfKVMemory):
         cache.grow(0, list(range(9)))  # 25 tokens need 7 blocks
-    assert (cache.pool.num_free, cache.counters(), cache._seqs[0].block_table) == before
+    assert (cache.pool.num_free, cache.stats(), cache._seqs[0].block_table) == before
     assert cache._seqs[0].num_tokens == 16
     assert not cache.can_admit(12) and cache.can_admit(8)
     cache.free(0)
@@ -187,20 +187,20 @@ def test_swap_round_trip_restores_the_data_and_keeps_a_group_shared() -> None:
     cache.grow(1, [2])
     runner.max_error([SeqStep(0, 10, 1), SeqStep(1, 10, 1)])
     cache.admit(2, list(range(50, 55)))
-    in_use = cache.counters()["blocks_in_use"]
+    in_use = cache.stats().units_in_use
 
     cache.swap_out([0, 1])  # 2 shared blocks + 2 private last blocks travel once each
-    c = cache.counters()
-    assert c["blocks_in_use"] == in_use - 4
-    assert c["swap_out_bytes"] == 4 * cache.block_bytes and c["swap_out_seconds"] > 0
+    c = cache.stats()
+    assert c.units_in_use == in_use - 4
+    assert c.swap_out_bytes == 4 * cache.block_bytes and c.swap_out_seconds > 0
     with pytest.raises(ValueError, match="swapped out"):
         cache.grow(0, [1])
     with pytest.raises(ValueError, match="swapped out"):
         cache.prepare(StepBatch.build([SeqStep(0, 11, 1)]))
 
     cache.swap_in([0, 1])
-    assert cache.counters()["blocks_in_use"] == in_use
-    assert cache.counters()["swap_in_bytes"] == 4 * cache.block_bytes
+    assert cache.stats().units_in_use == in_use
+    assert cache.stats().swap_in_bytes == 4 * cache.block_bytes
     assert refcounts(cache, 0) == [2, 2, 1] and refcounts(cache, 1) == [2, 2, 1]
     runner.assert_stored(0)
     runner.assert_stored(1)

@@ -83,10 +83,10 @@ def test_hits_share_blocks_and_are_counted() -> None:
     t0, t1 = cache._seqs[0].block_table, cache._seqs[1].block_table
     assert t0[:2] == t1[:2] and t0[2] != t1[2]
     assert [cache.pool.blocks[b].ref_count for b in t1] == [2, 2, 1]
-    c = cache.counters()
-    assert (c["prefix_cache_queries"], c["prefix_cache_hits"]) == (20 + 22, 16)
-    assert (c["prefix_cache_query_blocks"], c["prefix_cache_hit_blocks"]) == (2 + 2, 2)
-    assert c["hash_collisions"] == 0
+    c = cache.stats()
+    assert (c.prefix_cache_queries, c.prefix_cache_hits) == (20 + 22, 16)
+    assert (c.prefix_cache_query_blocks, c.prefix_cache_hit_blocks) == (2 + 2, 2)
+    assert c.hash_collisions == 0
 
 
 def test_whole_prompt_hit_recomputes_the_last_token_in_a_private_copy() -> None:
@@ -98,7 +98,7 @@ def test_whole_prompt_hit_recomputes_the_last_token_in_a_private_copy() -> None:
     assert model.run(1, prompt) == 15
     t0, t1 = cache._seqs[0].block_table, cache._seqs[1].block_table
     assert t0[0] == t1[0] and t0[1] != t1[1]  # the last block is a copy: its last token is written again
-    assert cache.counters()["cow_copies"] == 1
+    assert cache.stats().cow_copies == 1
     for a, b in zip(before, stored_kv(cache, 0, 1), strict=True):
         assert torch.equal(a, b)
     cache.free(0)
@@ -112,7 +112,7 @@ def test_without_a_block_for_the_copy_the_last_block_is_recomputed() -> None:
     model.run(0, list(range(8)))
     cache.free(0)  # both blocks cached and free: none left over for a private copy
     assert model.run(1, list(range(8))) == 4
-    assert cache.counters()["cow_copies"] == 0
+    assert cache.stats().cow_copies == 0
 
 
 def test_blocks_are_cached_only_once_the_last_layer_wrote_them() -> None:
@@ -162,10 +162,10 @@ def test_a_forced_hash_collision_is_detected_and_never_shared(monkeypatch: pytes
     model = ToyModel(cache)
     a = list(range(16))
     model.run(0, a)  # block 0 indexed under 42; block 1 (also 42, other prefix) is not
-    assert cache.counters()["hash_collisions"] == 1
+    assert cache.stats().hash_collisions == 1
     b = [t + 1 for t in a]
     assert model.run(1, b) == 0  # same hash, different tokens: a miss, not A's KV
-    assert cache.counters()["hash_collisions"] >= 2
+    assert cache.stats().hash_collisions >= 2
     fresh = ToyModel(make_cache(block_size=8, enable_prefix_caching=False))
     fresh.run(0, b)
     for x, y in zip(last_rows(model), last_rows(fresh), strict=True):
@@ -192,12 +192,12 @@ def test_freed_blocks_stay_cached_until_needed_then_the_oldest_tail_goes_first()
     a = list(range(12))  # 3 full blocks
     model.run(0, a)
     cache.free(0)
-    c = cache.counters()
-    assert (c["blocks_in_use"], c["blocks_cached_free"]) == (0, 3)
+    c = cache.stats()
+    assert (c.units_in_use, c.blocks_cached_free) == (0, 3)
     cache.admit(1, list(range(30, 42)))  # 3 plain free blocks are used first: no eviction
-    assert cache.counters()["prefix_cache_evictions"] == 0
+    assert cache.stats().prefix_cache_evictions == 0
     cache.grow(1, [1])  # one more block: evicts the least recently freed, a's last block
-    assert cache.counters()["prefix_cache_evictions"] == 1
+    assert cache.stats().prefix_cache_evictions == 1
     cache.free(1)
     assert cache.admit(2, a + [5]) == 8
 
@@ -207,4 +207,4 @@ def test_prefix_caching_can_be_turned_off() -> None:
     model = ToyModel(cache)
     model.run(0, list(range(12)))
     assert cache.admit(1, list(range(12))) == 0
-    assert not cache.pool.cached and cache.counters()["prefix_cache_queries"] == 0
+    assert not cache.pool.cached and cache.stats().prefix_cache_queries == 0

@@ -11,7 +11,7 @@ from vmkv.engine.outputs import RequestMetrics
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import Scheduler, SchedulerOutput
 from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, OutOfKVMemory, StepBatch
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, StepBatch
 
 
 class TokenCache(KVCache):
@@ -62,8 +62,9 @@ class TokenCache(KVCache):
         used = sum(self.lengths.values())
         return KVMemory(self.capacity, used, used)
 
-    def counters(self) -> dict[str, float]:
-        return {}
+    def stats(self) -> KVStats:
+        used = sum(self.lengths.values())
+        return KVStats(unit="token", units_total=self.capacity, units_in_use=used, units_peak=used)
 
     def swap_out(self, seq_ids: SequenceABC[int]) -> None:
         for i in seq_ids:

@@ -79,7 +79,7 @@ def check_invariants(cache: VAttentionKVCache, strict: bool) -> None:
         # the pool is conserved: every set is free or held, the driver maps exactly the held pages
         assert pool.free_count + len(holders) == pool.num_sets
         assert drv.stats.pages_mapped == sum(holders.values()) * geo.units
-        assert cache.counters()["mapper_errors"] == 0
+        assert cache.stats().mapper_errors == 0
 
 
 # ---------------------------------------------------------------- accounting
@@ -203,11 +203,11 @@ def test_deferred_reclamation_reuses_kept_pages_without_mapping() -> None:
     cache = make_cache(background_mapping=False, deferred_reclamation=True)
     cache.admit(1, [0] * 100)  # 4 sets
     cache.free(1)
-    assert cache.counters()["page_sets_idle_kept"] == 4
-    calls = cache.counters()["map_calls_critical"]
+    assert cache.stats().page_sets_idle_kept == 4
+    calls = cache.stats().map_calls_critical
     cache.admit(2, [0] * 90)
-    c = cache.counters()
-    assert c["map_calls_critical"] == calls and c["page_sets_reused"] == 3
+    c = cache.stats()
+    assert c.map_calls_critical == calls and c.page_sets_reused == 3
     check_invariants(cache, strict=False)
     cache.close()
 
@@ -219,7 +219,7 @@ def test_deferred_pages_are_reclaimed_under_pressure_before_reporting_short() ->
     cache.free(1)
     cache.admit(3, [0] * 10)  # takes slot 0, which keeps 3 sets more than it needs
     cache.grow(2, [0] * 100)  # needs 3 more sets: 1 free + 2 reclaimed from slot 0
-    assert cache.counters()["page_sets_reclaimed"] == 2 and cache.pool.free_count == 0
+    assert cache.stats().page_sets_reclaimed == 2 and cache.pool.free_count == 0
     assert cache.usage() == 5 / 6  # slot 0's last surplus set is still reclaimable
     check_invariants(cache, strict=False)
     cache.close()
@@ -252,7 +252,7 @@ def test_eager_allocation_maps_steps_ahead_and_gives_them_up_under_pressure() ->
     cache.admit(1, [0] * 10)
     assert cache.slot_pages(1) == cache.geometry.pages_for(50) == 2
     cache.admit(2, [0] * 40)  # needs 2 sets: 1 free + the eager one of sequence 1
-    assert cache.slot_pages(1) == 1 and cache.counters()["page_sets_reclaimed"] == 1
+    assert cache.slot_pages(1) == 1 and cache.stats().page_sets_reclaimed == 1
     check_invariants(cache, strict=False)
     cache.close()
 
@@ -262,10 +262,10 @@ def test_background_mapper_maps_next_step_off_the_critical_path() -> None:
     cache.admit(1, [0] * 32)  # exactly one page: the next token needs a second
     write(cache, [SeqStep(1, 0, 32)], {1: 1.0})
     cache.wait_mapper()
-    c = cache.counters()
-    assert cache.slot_pages(1) == 2 and c["map_calls_background"] > 0
+    c = cache.stats()
+    assert cache.slot_pages(1) == 2 and c.map_calls_background > 0
     cache.grow(1, [0])
-    assert cache.counters()["map_calls_critical"] == c["map_calls_critical"]
+    assert cache.stats().map_calls_critical == c.map_calls_critical
     cache.close()
     assert not cache._mapper.alive
 
@@ -315,7 +315,7 @@ def test_background_mapper_never_races_free_under_stress() -> None:
             check_invariants(cache, strict=False)
     cache.wait_mapper()
     check_invariants(cache, strict=False)
-    assert cache.counters()["map_calls_background"] > 0
+    assert cache.stats().map_calls_background > 0
     cache.close()
     assert not cache._mapper.alive and cache.driver.closed
 

@@ -10,12 +10,12 @@ stays: that waste is what the capacity comparison measures.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from vmkv.dense_slots import DenseSlotSequences
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, OutOfKVMemory, StepBatch
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, StepBatch
 from vmkv.vattention.attention import (
     DEFAULT_MAX_PADDING,
     DenseSlotPlan,
@@ -23,6 +23,18 @@ from vmkv.vattention.attention import (
     check_attend_args,
     plan_step,
 )
+
+
+@dataclass
+class CopyEvents:
+    """Whole-context copies (KVStats fields of the same names)."""
+
+    fork_copies: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    copied_bytes: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
 
 
 @dataclass
@@ -73,7 +85,8 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
         )
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot
         self._seqs: dict[int, _Seq] = {}
-        self._counts = {"fork_copies": 0, "swap_outs": 0, "swap_ins": 0, "copied_bytes": 0}
+        self._events = CopyEvents()
+        self._peak_slots = 0
 
     # ------------------------------------------------------------ lifecycle
     def can_admit(self, num_tokens: int) -> bool:
@@ -100,8 +113,8 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
         slot = self._take_slot()
         self.kv[:, :, slot, :, : parent.length] = self.kv[:, :, parent.slot, :, : parent.length]
         self._seqs[child_id] = _Seq(slot, parent.length)
-        self._counts["fork_copies"] += 1
-        self._counts["copied_bytes"] += parent.length * self.shape.bytes_per_token
+        self._events.fork_copies += 1
+        self._events.copied_bytes += parent.length * self.shape.bytes_per_token
 
     def free(self, seq_id: int) -> None:
         seq = self._get(seq_id)
@@ -125,12 +138,14 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
             used_bytes=sum(s.length for s in resident) * self.shape.bytes_per_token,
         )
 
-    def counters(self) -> dict[str, float]:
-        return {
-            "slots_total": self.num_slots,
-            "slots_used": self.num_slots - len(self._free_slots),
-            **self._counts,
-        }
+    def stats(self) -> KVStats:
+        return KVStats(
+            unit="slot",
+            units_total=self.num_slots,
+            units_in_use=self.num_slots - len(self._free_slots),
+            units_peak=self._peak_slots,
+            **asdict(self._events),
+        )
 
     # ----------------------------------------------------------- preemption
     def swap_out(self, seq_ids: Sequence[int]) -> None:
@@ -139,8 +154,9 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
             seq.host_kv = self.kv[:, :, seq.slot, :, : seq.length].to("cpu", copy=True)
             self._free_slots.append(seq.slot)
             seq.slot = -1
-            self._counts["swap_outs"] += 1
-            self._counts["copied_bytes"] += seq.length * self.shape.bytes_per_token
+            self._events.swap_outs += 1
+            self._events.copied_bytes += seq.length * self.shape.bytes_per_token
+            self._events.swap_out_bytes += seq.length * self.shape.bytes_per_token
 
     def swap_in(self, seq_ids: Sequence[int]) -> None:
         seqs = [self._get(i) for i in seq_ids]
@@ -153,8 +169,9 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
             seq.slot = self._take_slot()
             self.kv[:, :, seq.slot, :, : seq.length] = seq.host_kv.to(self.device)
             seq.host_kv = None
-            self._counts["swap_ins"] += 1
-            self._counts["copied_bytes"] += seq.length * self.shape.bytes_per_token
+            self._events.swap_ins += 1
+            self._events.copied_bytes += seq.length * self.shape.bytes_per_token
+            self._events.swap_in_bytes += seq.length * self.shape.bytes_per_token
 
     # -------------------------------------------------------------- a step
     def prepare(self, batch: StepBatch) -> DenseSlotPlan:
@@ -185,4 +202,6 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
     def _take_slot(self) -> int:
         if not self._free_slots:
             raise OutOfKVMemory(1, 0, "slots")
-        return self._free_slots.pop()
+        slot = self._free_slots.pop()
+        self._peak_slots = max(self._peak_slots, self.num_slots - len(self._free_slots))
+        return slot

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Generic, TypeVar
 
 import torch
@@ -128,6 +128,69 @@ class KVMemory:
         return self.allocated_bytes - self.used_bytes
 
 
+@dataclass
+class KVStats:
+    """What a layout counts, read by attribute (engine, /metrics, bench).
+
+    The common fields mean the same in every layout. A layout-specific field is None where
+    the layout has no such thing, so a reader shows it where it is present and never asks
+    which layout it is. Event counts grow over time; gauges (units_*, *_free, *_kept) do not.
+    """
+
+    unit: str  # what units_* count: "page" (vattention), "block" (paged), "slot" (contiguous)
+    units_total: int
+    units_in_use: int
+    units_peak: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries_total)
+    prefix_cache_hits: int = 0  # of which were found cached
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    # vattention: page mapping, on the step's critical path or by the background mapper
+    map_calls_critical: int | None = None
+    map_calls_background: int | None = None
+    map_seconds_critical: float | None = None
+    map_seconds_background: float | None = None
+    unmap_calls: int | None = None
+    minor_faults: int | None = None  # the step thread's, around prepare/attend
+    page_sets_total: int | None = None
+    page_sets_free: int | None = None
+    page_sets_idle_kept: int | None = None  # kept mapped by idle slots (deferred reclamation)
+    page_sets_reused: int | None = None
+    page_sets_reclaimed: int | None = None
+    group_pad_page_sets: int | None = None
+    ahead_skipped: int | None = None
+    fork_shared_pages: int | None = None
+    fork_copied_pages: int | None = None
+    mapper_errors: int | None = None
+    # paged: blocks, copy-on-write, prefix cache
+    blocks_allocated: int | None = None
+    blocks_cached_free: int | None = None
+    cow_copies: int | None = None
+    prefix_cache_evictions: int | None = None
+    prefix_cache_query_blocks: int | None = None
+    prefix_cache_hit_blocks: int | None = None
+    hash_collisions: int | None = None  # equal hash, different prefix: detected, never shared
+    swap_out_seconds: float | None = None
+    swap_in_seconds: float | None = None
+    # contiguous: whole-context copies
+    fork_copies: int | None = None
+    swap_outs: int | None = None
+    swap_ins: int | None = None
+    copied_bytes: int | None = None
+
+    def present(self) -> dict[str, float]:
+        """Every numeric field the layout reports, by name."""
+        return {
+            f.name: value
+            for f in fields(self)
+            if f.name != "unit" and (value := getattr(self, f.name)) is not None
+        }
+
+    def since(self, before: KVStats) -> KVStats:
+        """Each numeric field minus its value in `before`: meaningful for event counts."""
+        return replace(self, **{k: v - getattr(before, k) for k, v in self.present().items()})
+
+
 Plan = TypeVar("Plan")
 
 
@@ -178,8 +241,8 @@ class KVCache(ABC, Generic[Plan]):
     def memory(self) -> KVMemory: ...
 
     @abstractmethod
-    def counters(self) -> dict[str, float]:
-        """The layout's own event counts (page maps, block allocations, CoW copies, ...)."""
+    def stats(self) -> KVStats:
+        """Units in use, prefix-cache and swap counts, and the layout's own events."""
 
     # ----------------------------------------------------------- preemption
     @abstractmethod

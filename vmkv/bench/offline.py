@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from vmkv.bench.metrics import SLO, RequestRecord, RunMetrics, compute_metrics
 from vmkv.bench.workloads import BenchRequest, Workload, rate_label
 from vmkv.engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, RequestRejected, SamplingParams
+from vmkv.kv_cache import KVStats
 
 MAX_TIMELINE_POINTS = 300
 
@@ -31,12 +32,12 @@ class KVSample:
     running_seqs: int
     allocated_bytes: int
     used_bytes: int
-    units_in_use: float  # vattention: pages mapped; paged: blocks in use; contiguous: slots used
+    units_in_use: float  # KVStats.units_in_use: pages mapped, blocks in use or slots used
 
 
 @dataclass
 class EngineSummary:
-    """What the engine and its KV layout did during one run (counters are deltas over the run)."""
+    """What the engine and its KV layout did during one run (kv holds deltas over the run)."""
 
     steps: int
     step_seconds: float
@@ -49,7 +50,7 @@ class EngineSummary:
     peak_allocated_bytes: int
     peak_used_bytes: int
     waste_at_peak_bytes: int  # allocated minus used when allocation peaked
-    counters: dict[str, float]  # deltas: meaningful for the event counts, zero for gauges
+    kv: KVStats  # deltas: meaningful for the event counts, not for gauges
     timeline: list[KVSample] = field(default_factory=list)
 
 
@@ -103,13 +104,6 @@ def sampling_params(request: BenchRequest, index: int) -> SamplingParams:
     )
 
 
-def _units_in_use(counters: dict[str, float]) -> float:
-    for name in ("pages_mapped", "blocks_in_use", "slots_used"):
-        if name in counters:
-            return counters[name]
-    return math.nan
-
-
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -155,7 +149,7 @@ def drive_engine(engine: LLMEngine, workload: Workload) -> RunOutcome:
         for out in outputs:
             _record_output(records[int(out.request_id)], out, t)
         memory = engine.cache.memory()
-        units = _units_in_use(engine.cache.counters())
+        units = engine.cache.stats().units_in_use
         timeline.append(
             KVSample(t, engine.scheduler.num_running_seqs, memory.allocated_bytes, memory.used_bytes, units)
         )
@@ -181,10 +175,9 @@ def _summarize(
     engine: LLMEngine, before: EngineStats, timeline: list[KVSample], step_seconds: float, faults: int
 ) -> EngineSummary:
     after = engine.stats()
-    counters = {k: v - before.layout_counters.get(k, 0) for k, v in after.layout_counters.items()}
-    queries = after.prefix_cache_queries - before.prefix_cache_queries
-    hits = after.prefix_cache_hits - before.prefix_cache_hits
-    map_critical = counters.get("map_seconds_critical")
+    kv = after.kv_stats.since(before.kv_stats)
+    queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+    map_critical = kv.map_seconds_critical
     peak = max(timeline, key=lambda s: s.allocated_bytes, default=KVSample(0.0, 0, 0, 0, math.nan))
     return EngineSummary(
         steps=len(timeline),
@@ -198,7 +191,7 @@ def _summarize(
         peak_allocated_bytes=peak.allocated_bytes,
         peak_used_bytes=max((s.used_bytes for s in timeline), default=0),
         waste_at_peak_bytes=peak.allocated_bytes - peak.used_bytes,
-        counters=counters,
+        kv=kv,
         timeline=downsample(timeline, MAX_TIMELINE_POINTS),
     )
 

@@ -116,8 +116,9 @@ def _engine(g: Group, get: Callable[[EngineSummary], float | None]) -> float:
     return g.mean(lambda r: get(r.engine))
 
 
-def _counter(g: Group, name: str) -> float:
-    return g.mean(lambda r: r.engine.counters.get(name, 0.0))
+def _counter(g: Group, name: str) -> str:
+    """The group's mean of a KVStats field, or "–" where its layout does not report it (None)."""
+    return _num(g.mean(lambda r: getattr(r.engine.kv, name)), 0)
 
 
 def _median_p99(g: Group, get: Callable[[RunMetrics], Distribution], digits: int) -> str:
@@ -183,12 +184,9 @@ def layout_table(groups: Sequence[Group]) -> list[str]:
     for g in groups:
         if not all(r.engine for r in g.runs):
             continue
-        vattention, paged = g.target == "vattention", g.target == "paged"
         share = _engine(g, lambda e: e.mapping_share)
         hit = _engine(g, lambda e: e.prefix_cache_hit_rate)
-        maps = (
-            f"{_num(_counter(g, 'map_calls_critical'), 0)} / {_num(_counter(g, 'map_calls_background'), 0)}"
-        )
+        critical, background = _counter(g, "map_calls_critical"), _counter(g, "map_calls_background")
         rows.append(
             [
                 g.target,
@@ -199,12 +197,12 @@ def layout_table(groups: Sequence[Group]) -> list[str]:
                 format_bytes(_engine(g, lambda e: e.peak_used_bytes)),
                 format_bytes(_engine(g, lambda e: e.waste_at_peak_bytes)),
                 _num(_engine(g, lambda e: e.os_minor_faults), 0),
-                maps if vattention else "–",
-                f"{share:.2%}" if vattention and not math.isnan(share) else "–",
-                _num(_counter(g, "blocks_allocated"), 0) if paged else "–",
-                _num(_counter(g, "cow_copies"), 0) if paged else "–",
+                f"{critical} / {background}" if critical != "–" else "–",
+                f"{share:.2%}" if not math.isnan(share) else "–",
+                _counter(g, "blocks_allocated"),
+                _counter(g, "cow_copies"),
                 f"{hit:.1%}" if not math.isnan(hit) else "–",
-                format_bytes(_counter(g, "swap_out_bytes")) if vattention or paged else "–",
+                format_bytes(g.mean(lambda r: r.engine.kv.swap_out_bytes)),
             ]
         )
     return _table(header, rows)

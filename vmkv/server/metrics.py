@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -143,9 +142,10 @@ class ServingMetrics:
             ("kv_cache_used_bytes", "gauge", "KV bytes of stored tokens.", memory.used_bytes),
             ("kv_cache_fragmentation_bytes", "gauge", "KV allocated minus used.", memory.fragmentation_bytes),
         ]
+        kv = engine.kv_stats
         own += [
-            (f"kv_{metric_name(key)}", "gauge", f"KV layout counter {key}.", value)
-            for key, value in sorted(engine.layout_counters.items())
+            (f"kv_{name}", "gauge", f"KV layout {name.replace('units', kv.unit + 's')}.", value)
+            for name, value in kv.present().items()
         ]
         out: list[str] = []
         for name, kind, help_text, value in common:
@@ -174,11 +174,6 @@ class ServingMetrics:
         out.append(f"{name}_bucket{format_labels({**self.labels, 'le': '+Inf'})} {histogram.count}")
         out.append(f"{name}_sum{format_labels(self.labels)} {format_value(histogram.sum)}")
         out.append(f"{name}_count{format_labels(self.labels)} {histogram.count}")
-
-
-def metric_name(raw: str) -> str:
-    """A layout's counter key as a valid Prometheus name fragment."""
-    return re.sub(r"[^a-zA-Z0-9_]", "_", raw)
 
 
 def format_labels(labels: dict[str, str]) -> str:

@@ -32,7 +32,7 @@ import torch
 
 from vmkv.dense_slots import DenseSlotSequences
 from vmkv.drivers import DEFAULT_PAGE_SIZE, CudaDriver, HostDriver, MemoryDriver, RawCallError, Reservation
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, OutOfKVMemory, StepBatch
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, StepBatch
 from vmkv.vattention.attention import (
     DEFAULT_MAX_PADDING,
     DecodeKernels,
@@ -80,6 +80,26 @@ class VAttentionConfig:
     # where it can be built (bf16/fp16/fp32, head_dim a multiple of 16, a C compiler), else sdpa
     attention: str = "auto"
     debug: bool = False  # verify every range a kernel reads is mapped
+
+
+@dataclass
+class MappingEvents:
+    """The cache's own event counts (KVStats fields of the same names)."""
+
+    map_calls_critical: int = 0
+    map_calls_background: int = 0
+    map_seconds_critical: float = 0.0
+    map_seconds_background: float = 0.0
+    unmap_calls: int = 0
+    group_pad_page_sets: int = 0
+    page_sets_reused: int = 0
+    page_sets_reclaimed: int = 0
+    ahead_skipped: int = 0
+    minor_faults: int = 0
+    fork_shared_pages: int = 0
+    fork_copied_pages: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
 
 
 @dataclass
@@ -175,25 +195,7 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
         self._seqs: dict[int, _Seq] = {}
         self._use_flash = cfg.use_flash_attn and flash_usable(self.device, shape.dtype)
         self._kernels = self._decode_kernels()
-        self._counts: dict[str, float] = dict.fromkeys(
-            [
-                "map_calls_critical",
-                "map_calls_background",
-                "map_seconds_critical",
-                "map_seconds_background",
-                "unmap_calls",
-                "group_pad_page_sets",
-                "page_sets_reused",
-                "page_sets_reclaimed",
-                "ahead_skipped",
-                "minor_faults",
-                "fork_shared_pages",
-                "fork_copied_pages",
-                "swap_out_bytes",
-                "swap_in_bytes",
-            ],
-            0,
-        )
+        self._events = MappingEvents()
         self._closed = False
         self._mapper = BackgroundMapper(self._run_job) if cfg.background_mapping else None
 
@@ -254,7 +256,7 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
             self._require(needed - len(slot.sets), exclude=slot)
             reused = min(needed, len(slot.sets))
             self._back(slot, needed, len(token_ids))  # first: a failed map leaves the slot idle
-            self._counts["page_sets_reused"] += reused
+            self._events.page_sets_reused += reused
             slot.seq_id = seq_id
             slot.generation += 1
             self._seqs[seq_id] = _Seq(slot.index, len(token_ids))
@@ -307,8 +309,8 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
                     dst = geo.page_offset(slot.index, c, 0) + first
                     from_ = geo.page_offset(src.index, c, 0) + first
                     self._bytes[t][dst : dst + nbytes].copy_(self._bytes[t][from_ : from_ + nbytes])
-            self._counts["fork_shared_pages"] += len(shared) * geo.units
-            self._counts["fork_copied_pages"] += copied * geo.units
+            self._events.fork_shared_pages += len(shared) * geo.units
+            self._events.fork_copied_pages += copied * geo.units
 
     def free(self, seq_id: int) -> None:
         with self._lock:
@@ -345,20 +347,21 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
                 used_bytes=tokens * self.shape.bytes_per_token - double * geo.page_set_bytes,
             )
 
-    def counters(self) -> dict[str, float]:
-        stats = self.driver.stats
+    def stats(self) -> KVStats:
+        """Units are driver pages: a page set maps geometry.units of them."""
+        driver = self.driver.stats
         with self._lock:
-            idle_kept = sum(len(s.sets) for s in self._slots if s.seq_id is None)
-            return {
-                **self._counts,
-                "pages_mapped": stats.pages_mapped,
-                "pages_mapped_peak": stats.peak_pages_mapped,
-                "page_sets_total": self.pool.num_sets,
-                "page_sets_free": self.pool.free_count,
-                "page_sets_idle_kept": idle_kept,
-                "fragmentation_bytes": self.memory().fragmentation_bytes,
-                "mapper_errors": len(self._mapper.errors) if self._mapper else 0,
-            }
+            return KVStats(
+                unit="page",
+                units_total=self.pool.num_sets * self.geometry.units,
+                units_in_use=driver.pages_mapped,
+                units_peak=driver.peak_pages_mapped,
+                page_sets_total=self.pool.num_sets,
+                page_sets_free=self.pool.free_count,
+                page_sets_idle_kept=sum(len(s.sets) for s in self._slots if s.seq_id is None),
+                mapper_errors=len(self._mapper.errors) if self._mapper else 0,
+                **dataclasses.asdict(self._events),
+            )
 
     # ----------------------------------------------------------- preemption
     def swap_out(self, seq_ids: Sequence[int]) -> None:
@@ -376,7 +379,7 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
                 seq.host_kv = torch.stack([v.to("cpu", copy=True) for v in views])
                 self._release_slot(self._slots[seq.slot])
                 seq.slot = -1
-                self._counts["swap_out_bytes"] += seq.host_kv.numel() * seq.host_kv.element_size()
+                self._events.swap_out_bytes += seq.host_kv.numel() * seq.host_kv.element_size()
 
     def swap_in(self, seq_ids: Sequence[int]) -> None:
         """Restore swapped sequences into any free slots; all or nothing."""
@@ -411,7 +414,7 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
             for seq, slot in zip(seqs, targets, strict=True):
                 for t, view in enumerate(v for pair in zip(self._k, self._v, strict=True) for v in pair):
                     view[slot.index, : seq.length] = seq.host_kv[t].to(self.device)
-                self._counts["swap_in_bytes"] += seq.host_kv.numel() * seq.host_kv.element_size()
+                self._events.swap_in_bytes += seq.host_kv.numel() * seq.host_kv.element_size()
                 seq.host_kv = None
 
     # -------------------------------------------------------------- a step
@@ -463,7 +466,7 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
         )
         if self._mapper is not None and jobs:
             self._mapper.submit(jobs)
-        self._counts["minor_faults"] += _minor_faults() - faults
+        self._events.minor_faults += _minor_faults() - faults
         return plan
 
     def attend(
@@ -472,7 +475,7 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
         check_attend_args(self.shape, layer, q, k, v, plan)
         faults = _minor_faults()
         out = attend_dense(self._k[layer], self._v[layer], q, k, v, plan, scale)
-        self._counts["minor_faults"] += _minor_faults() - faults
+        self._events.minor_faults += _minor_faults() - faults
         return out
 
     def finish_step(self, plan: DenseSlotPlan) -> None:
@@ -556,15 +559,15 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
             if want <= 0:
                 return
             if want > self.pool.free_count:
-                self._counts["ahead_skipped"] += 1
+                self._events.ahead_skipped += 1
                 return
             try:
                 self._map_sets(slot, self.pool.take(want, self._prefer(slot)), background)
             except OutOfKVMemory:
-                self._counts["ahead_skipped"] += 1
+                self._events.ahead_skipped += 1
                 return
             if job.group_pad:
-                self._counts["group_pad_page_sets"] += want
+                self._events.group_pad_page_sets += want
 
     def _map_sets(self, slot: _Slot, sets: list[int], background: bool) -> None:
         """Map page sets at the slot's next page indices, in every column of every tensor."""
@@ -590,9 +593,13 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
                 raise OutOfKVMemory(len(sets) * geo.units, 0, "pages") from e
             raise
         finally:
-            where = "background" if background else "critical"
-            self._counts[f"map_calls_{where}"] += self.driver.stats.map_calls - calls
-            self._counts[f"map_seconds_{where}"] += time.perf_counter() - t0
+            calls, seconds = self.driver.stats.map_calls - calls, time.perf_counter() - t0
+            if background:
+                self._events.map_calls_background += calls
+                self._events.map_seconds_background += seconds
+            else:
+                self._events.map_calls_critical += calls
+                self._events.map_seconds_critical += seconds
         slot.sets.extend(sets)
 
     def _release_slot(self, slot: _Slot, keep_pages: bool = False) -> None:
@@ -612,7 +619,7 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
         for res, base in self._placed:
             for c in range(geo.columns):
                 self.driver.unmap(res, base + geo.page_offset(slot.index, c, keep), count)
-                self._counts["unmap_calls"] += 1
+                self._events.unmap_calls += 1
         for set_id in slot.sets[keep:]:
             self.pool.release(set_id)
         del slot.sets[keep:]
@@ -655,7 +662,7 @@ class VAttentionKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
             take = min(n, self._reclaimable(slot)) if slot is not exclude else 0
             if take:
                 self._drop_pages(slot, len(slot.sets) - take)
-                self._counts["page_sets_reclaimed"] += take
+                self._events.page_sets_reclaimed += take
                 n -= take
 
     def _pick_slot(self, needed: int) -> _Slot | None:
