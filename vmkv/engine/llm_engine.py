@@ -26,8 +26,12 @@ from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import ScheduledSeq, Scheduler
 from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
 from vmkv.engine.stop_strings import find_stop
+from vmkv.engine.structured_output import GrammarCompiler
 from vmkv.kv_cache import KVMemory, KVStats
 from vmkv.model.store import load_tokenizer, resolve_model
+
+# how long a step with nothing to run but grammars being compiled waits for one
+GRAMMAR_WAIT_SECONDS = 0.05
 
 
 @dataclass
@@ -64,7 +68,6 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
         self.cache = build_kv_cache(config, self.runner.kv_shape, str(self.model_path))
         self.scheduler = Scheduler(config, self.cache)
-        self.sampler = Sampler(config.seed, self.runner.device)
         self.info = EngineInfo(
             model_path=str(self.model_path),
             max_model_len=config.max_model_len,
@@ -73,6 +76,9 @@ class LLMEngine:
             capacity_tokens=self.cache.free_capacity(),
             eos_token_ids=_eos_token_ids(self.runner.model, self.tokenizer),
         )
+        self.sampler = Sampler(config.seed, self.runner.device, self.info.eos_token_ids)
+        # structured-output grammars compile on a worker thread; their requests wait there
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.info.eos_token_ids)
         # False when the caller detokenizes (the API process, with the engine in its own
         # process): samples then carry token ids only and stop strings are the caller's job.
         self.detokenize = detokenize
@@ -117,7 +123,10 @@ class LLMEngine:
         self._next_arrival += 1
         self._new_seq(group, list(prompt_ids), index=0)
         self._groups[request_id] = group
-        self.scheduler.add(group)
+        if params.structured is not None:
+            self.grammars.submit(group)
+        else:
+            self.scheduler.add(group)
         return group
 
     def validate(
@@ -132,6 +141,7 @@ class LLMEngine:
         group = self._groups.get(request_id)
         if group is None:
             return None
+        self.grammars.discard(group)
         self.scheduler.finish(group, FinishReason.ABORT)
         return self._retire(group)
 
@@ -156,19 +166,21 @@ class LLMEngine:
         outputs = []
         for group in list(self._groups.values()):
             group.error = reason
+            self.grammars.discard(group)
             self.scheduler.finish(group, FinishReason.ERROR)
             outputs.append(self._retire(group))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.grammars.num_pending > 0
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request by one step; returns the outputs of those that gained
         tokens or finished (a prefill chunk that samples nothing reports nothing)."""
+        outputs = self._admit_compiled()
         sched = self.scheduler.schedule()
-        outputs = [self._retire(group) for group in sched.failed]
+        outputs += [self._retire(group) for group in sched.failed]
         if not sched.scheduled:
             return outputs
         self.num_steps += 1
@@ -189,7 +201,10 @@ class LLMEngine:
 
         row_seqs, row_index = self._expand_forks(sampling)
         groups = [self._group_of[s.seq_id] for s in row_seqs]
-        rows = [SampleRow(g.params, s.generator) for s, g in zip(row_seqs, groups, strict=True)]
+        rows = [
+            SampleRow(g.params, s.generator, s.token_ids, s.prompt_len, s.grammar)
+            for s, g in zip(row_seqs, groups, strict=True)
+        ]
         if row_index != list(range(len(sampling))):
             logits = logits[torch.tensor(row_index, device=logits.device)]
         result = self.sampler(logits, rows)
@@ -211,7 +226,7 @@ class LLMEngine:
         kv = self.cache.stats()
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + self.grammars.num_pending,
             num_swapped=len(self.scheduler.swapped),
             num_running_seqs=self.scheduler.num_running_seqs,
             peak_running_seqs=self.peak_running_seqs,
@@ -228,9 +243,26 @@ class LLMEngine:
         )
 
     def close(self) -> None:
+        self.grammars.close()
         self.cache.close()
 
     # ------------------------------------------------------------- helpers
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand requests whose grammar is now compiled to the scheduler (a grammar that failed to
+        compile fails its request). With nothing else to run, wait a little for a compile."""
+        if not self.scheduler.has_unfinished():
+            self.grammars.wait(timeout=GRAMMAR_WAIT_SECONDS)
+        outputs = []
+        for group, state in self.grammars.ready():
+            if isinstance(state, str):
+                group.error = f"the structured output's grammar failed to compile: {state}"
+                self.scheduler.finish(group, FinishReason.ERROR)
+                outputs.append(self._retire(group))
+            else:
+                group.seqs[0].grammar = state
+                self.scheduler.add(group)
+        return outputs
+
     def _new_seq(self, group: SequenceGroup, token_ids: list[int], index: int) -> Sequence:
         seed = group.params.seed
         seq = Sequence(
@@ -267,6 +299,7 @@ class LLMEngine:
                     child = self._new_seq(group, list(seq.token_ids), index)
                     child.num_computed = seq.num_computed
                     child.fork_parent = seq
+                    child.grammar = None if seq.grammar is None else seq.grammar.fork()
                     row_seqs.append(child)
                     row_index.append(i)
         return row_seqs, row_index
@@ -283,6 +316,8 @@ class LLMEngine:
             seq.finish_reason = FinishReason.STOP
         elif token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+        elif seq.grammar is not None and seq.grammar.terminated:
+            seq.finish_reason = FinishReason.STOP
         elif seq.num_output >= params.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
         if seq.detokenizer is None:
