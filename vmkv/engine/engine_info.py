@@ -21,6 +21,9 @@ class EngineInfo:
     vocab_size: int  # the model's; token ids at or above it are refused
     capacity_tokens: int  # tokens the KV cache holds when empty
     eos_token_ids: frozenset[int]
+    # the KV cache's allocation units (slots, blocks, pages): every sample holds one of its own
+    kv_units: int
+    kv_unit: str
 
     def prompt_token_ids(
         self, tokenizer: object, prompt: str | Sequence[int]
@@ -49,7 +52,13 @@ class EngineInfo:
                 f"max_model_len {self.max_model_len}"
             )
         if params.n > self.max_num_seqs:
-            raise RequestRejected(f"n={params.n} exceeds max_num_seqs {self.max_num_seqs}")
+            raise RequestRejected(f"n={params.n} exceeds max_num_seqs {self.max_num_seqs}", "n")
+        if params.n > self.kv_units:
+            raise RequestRejected(
+                f"n={params.n} samples each need a {self.kv_unit} of the KV cache at once, which has "
+                f"{self.kv_units}",
+                "n",
+            )
         if params.n * total > self.capacity_tokens:
             raise RequestRejected(
                 f"{params.n} x {total} tokens can never fit the KV cache, which holds {self.capacity_tokens}"
@@ -63,4 +72,8 @@ class EngineInfo:
             raise RequestRejected(f"expected SamplingParams, got {type(params).__name__}")
         text, prompt_ids = self.prompt_token_ids(tokenizer, prompt)
         self.check_fits(len(prompt_ids), params)
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise RequestRejected(
+                f"logit_bias token ids must be below the vocabulary size {self.vocab_size}", "logit_bias"
+            )
         return text, prompt_ids

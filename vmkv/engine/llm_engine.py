@@ -75,6 +75,8 @@ class LLMEngine:
             vocab_size=self.runner.vocab_size,
             capacity_tokens=self.cache.free_capacity(),
             eos_token_ids=_eos_token_ids(self.runner.model, self.tokenizer),
+            kv_units=self.cache.stats().units_total,
+            kv_unit=self.cache.stats().unit,
         )
         self.sampler = Sampler(config.seed, self.runner.device, self.info.eos_token_ids)
         # structured-output grammars compile on a worker thread; their requests wait there
