@@ -52,7 +52,7 @@ def interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, 
 
 def count_vmas(cache: VAttentionKVCache) -> int:
     """Read-write mappings (VMAs) inside the cache's reservations."""
-    ranges = sorted({(r.base, r.end) for r, _ in cache._placed})
+    ranges = sorted({(r.base, r.end) for r, _ in cache.mapping.placed})
     count = 0
     with open("/proc/self/maps") as maps:
         for line in maps:

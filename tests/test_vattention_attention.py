@@ -169,7 +169,7 @@ def test_decode_group_reads_only_mapped_memory(pad: int) -> None:
     assert plan.groups
     for g in plan.groups:
         for slot in range(g.first_slot, g.first_slot + g.num_slots):
-            for res, base in cache._placed:
+            for res, base in cache.mapping.placed:
                 offset = base + geo.page_offset(slot, 0, 0)
                 assert drv.is_mapped(res, offset, g.max_len * geo.column_token_bytes)
     cache.close()

@@ -100,6 +100,17 @@ class DecodeKernels:
         return self._kernels[group]
 
 
+def decode_kernels(mode: str, device: torch.device, shape: KVShape, use_flash: bool) -> DecodeKernels | None:
+    """The CPU decode kernel when `mode` ("auto", "cpu_kernel", "sdpa") asks for it and it can run."""
+    if mode == "sdpa" or use_flash:
+        return None
+    if device.type != "cpu":
+        if mode == "cpu_kernel":
+            raise ValueError("the CPU decode kernel runs on the CPU only")
+        return None
+    return DecodeKernels(shape.dtype, shape.head_dim, required=mode == "cpu_kernel")
+
+
 @dataclass
 class KernelDecode:
     """Every decode sequence of the step, attended by the CPU decode kernel."""

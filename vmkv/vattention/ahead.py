@@ -1,0 +1,74 @@
+"""Mapping ahead of need, so the step thread rarely maps: look-ahead for the next step's
+tokens and group padding. Jobs take free page sets only (never reclaiming), are dropped
+when their slot changed owner since they were queued, and run on the background mapper's
+thread (mapper.py) or, without one, inline. The caller holds the cache's lock."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vmkv.kv_cache import OutOfKVMemory, StepBatch
+from vmkv.vattention.attention import group_decodes
+from vmkv.vattention.mapper import MapJob
+from vmkv.vattention.slots import SlotSeq, SlotTable
+
+
+class MapAhead:
+    def __init__(self, table: SlotTable) -> None:
+        self.table = table
+        self.geometry, self.config = table.geometry, table.config
+
+    def look_ahead(self, seqs: Sequence[SlotSeq]) -> list[MapJob]:
+        """Back each sequence max(1, eager_steps) tokens past what it holds now."""
+        ahead = max(1, self.config.eager_steps)
+        jobs = []
+        for seq in seqs:
+            slot = self.table.slots[seq.slot]
+            if self.geometry.pages_for(seq.length + ahead) > len(slot.sets):  # only wake the mapper for work
+                jobs.append(MapJob(slot.index, slot.generation, seq.length + ahead))
+        return jobs
+
+    def group_pad(self, batch: StepBatch, seqs: Sequence[SlotSeq], upcoming: int) -> list[MapJob]:
+        """Map targets that let runs of consecutive decode slots share one batched call.
+
+        A batched call reads every slot up to the run's longest context, so a slot one page
+        short splits the run. Allowing up to group_pad_pages more pages per slot, these jobs
+        back each member up to its run's longest context `upcoming` steps from now. The pages
+        are surplus: taken from free pages only, and reclaimable under pressure.
+        """
+        geo, slots = self.geometry, self.table.slots
+        decodes = [(s, seq) for s, seq in zip(batch.steps, seqs, strict=True) if s.num_new == 1]
+        pad = self.config.group_pad_pages
+        entries = [
+            (seq.slot, s.context_len + upcoming, geo.tokens_backed(len(slots[seq.slot].sets) + pad))
+            for s, seq in decodes
+        ]
+        jobs = []
+        for members in group_decodes(entries, self.config.max_padding):
+            if len(members) > 1:
+                target = max(entries[j][1] for j in members)
+                for j in members:
+                    slot = slots[entries[j][0]]
+                    if geo.pages_for(target) > len(slot.sets):
+                        jobs.append(MapJob(slot.index, slot.generation, target, group_pad=True))
+        return jobs
+
+    def run(self, job: MapJob, background: bool) -> None:
+        """Back job.target_tokens of the slot from free pages only."""
+        table, events = self.table, self.table.mapping.events
+        slot = table.slots[job.slot]
+        if slot.generation != job.generation or slot.seq_id is None:
+            return  # freed or reassigned since the job was queued
+        want = self.geometry.pages_for(job.target_tokens) - len(slot.sets)
+        if want <= 0:
+            return
+        if want > table.pool.free_count:
+            events.ahead_skipped += 1
+            return
+        try:
+            table.mapping.map_sets(slot, table.pool.take(want, table.prefer(slot)), background)
+        except OutOfKVMemory:
+            events.ahead_skipped += 1
+            return
+        if job.group_pad:
+            events.group_pad_page_sets += want

@@ -1,0 +1,73 @@
+"""Construction from a budget: how many page sets a byte budget or a driver holds, the page
+size and layout that follow, and the driver to build when none is given."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from vmkv.drivers import CudaDriver, HostDriver, MemoryDriver
+from vmkv.kv_cache import KVShape
+from vmkv.vattention.config import AUTO_HEAD_MAJOR_MAX_PAGE, CUDA_PAGE_SIZE, VAttentionConfig
+from vmkv.vattention.geometry import SlotGeometry
+
+
+@dataclass
+class Sizing:
+    """What a cache is built from: its driver, geometry and number of page sets."""
+
+    config: VAttentionConfig
+    driver: MemoryDriver
+    owns_driver: bool  # built here, so the cache closes it
+    geometry: SlotGeometry
+    num_sets: int
+
+
+def size_cache(
+    shape: KVShape,
+    max_len: int,
+    kv_budget_bytes: int | None,
+    device: torch.device | str | None,
+    driver: MemoryDriver | None,
+    config: VAttentionConfig | None,
+    options: dict[str, object],
+) -> Sizing:
+    """Over `driver`, or over a driver of kv_budget_bytes for `device` when none is given
+    (HostDriver on CPU; CudaDriver with 2 MiB pages on a GPU). options override config fields."""
+    cfg = dataclasses.replace(config or VAttentionConfig(), **options)
+    if driver is None and kv_budget_bytes is None:
+        raise ValueError("give kv_budget_bytes or a driver")
+    if driver is not None and "page_size" in options and options["page_size"] != driver.page_size:
+        raise ValueError(f"page_size {options['page_size']} differs from the driver's {driver.page_size}")
+    target = torch.device(device or (driver.device if driver is not None else "cpu"))
+    if driver is not None:
+        page_size = driver.page_size
+    elif target.type == "cuda" and "page_size" not in options and config is None:
+        page_size = CUDA_PAGE_SIZE
+    else:
+        page_size = cfg.page_size
+    layout = cfg.layout
+    if layout == "auto":  # measured in docs/vattention.md
+        layout = "head" if page_size <= AUTO_HEAD_MAJOR_MAX_PAGE else "token"
+    probe = SlotGeometry(shape, max_len, cfg.max_slots or 1, page_size, layout)  # validates
+    budget_pages = driver.free_page_count if driver is not None else kv_budget_bytes // page_size
+    if kv_budget_bytes is not None:
+        budget_pages = min(budget_pages, kv_budget_bytes // page_size)
+    num_sets = budget_pages // probe.units
+    if num_sets < 1:
+        raise ValueError(
+            f"a budget of {budget_pages} pages holds no page set ({probe.units} pages of {page_size} B)"
+        )
+    owns_driver = driver is None
+    if driver is None and target.type == "cuda":
+        driver = CudaDriver(num_sets * probe.units, page_size, device=target.index or 0)
+    elif driver is None:
+        if target.type != "cpu":
+            raise ValueError(f"no memory driver for device {target}")
+        driver = HostDriver(num_sets * probe.units, page_size, populate=cfg.populate)
+    elif (target.type, target.index or 0) != (driver.device.type, driver.device.index or 0):
+        raise ValueError(f"device {device} differs from the driver's {driver.device}")
+    geometry = dataclasses.replace(probe, max_slots=cfg.max_slots or min(num_sets, 256))
+    return Sizing(cfg, driver, owns_driver, geometry, num_sets)

@@ -1,0 +1,41 @@
+"""VAttentionConfig: the layout's switches, each one vAttention optimisation or choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vmkv.drivers import DEFAULT_PAGE_SIZE
+from vmkv.vattention.attention import DEFAULT_MAX_PADDING
+
+# "auto" layout: head-major up to this page size. Its decode attention is ~25-30% faster on
+# CPU SDPA, but a sequence grows by one page per KV head at a time, so with 2 MiB (CUDA)
+# pages one step of growth would hold 16k tokens; token-major keeps that at 5.4k.
+AUTO_HEAD_MAJOR_MAX_PAGE = 64 * 1024
+CUDA_PAGE_SIZE = 2 * 1024 * 1024  # the cuMemCreate granularity on current GPUs
+ATTENTION_PATHS = ("auto", "cpu_kernel", "sdpa")
+
+
+@dataclass(frozen=True)
+class VAttentionConfig:
+    page_size: int = DEFAULT_PAGE_SIZE
+    layout: str = "auto"  # "token" [slot, len, Hkv, D], "head" [slot, Hkv, len, D], or "auto" (see below)
+    max_slots: int | None = None  # default: min(page sets, 256)
+    combined_reservation: bool = False  # one reservation for every K/V tensor
+    background_mapping: bool = True
+    deferred_reclamation: bool = True
+    eager_steps: int = 0
+    populate: bool = True  # pre-fault pages at map time (only for a driver this cache builds)
+    max_padding: float = DEFAULT_MAX_PADDING
+    group_pad_pages: int = 1  # pages a decode may get beyond its needs to join a batched call
+    use_flash_attn: bool = True  # flash_attn_with_kvcache when importable and on a GPU
+    # decode attention on the CPU: "cpu_kernel" (vmkv/decode_kernel.py, reads the slots in
+    # place), "sdpa" (stock kernels, unmodified, on the virtual memory), or "auto": the kernel
+    # where it can be built (bf16/fp16/fp32, head_dim a multiple of 16, a C compiler), else sdpa
+    attention: str = "auto"
+    debug: bool = False  # verify every range a kernel reads is mapped
+
+    def __post_init__(self) -> None:
+        if self.eager_steps < 0:
+            raise ValueError(f"eager_steps must be >= 0, got {self.eager_steps}")
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {self.attention!r}")

@@ -1,0 +1,182 @@
+"""The slots' virtual memory: reservations, zero-copy K/V views, and page mapping with rollback.
+
+Per layer, K and V are virtual tensors [max_slots, max_len, Hkv, D] (token- or head-major
+underneath, see geometry.py), each reserved through the driver (or all in one reservation).
+A slot's pages are mapped page set by page set, in every column of every tensor at once, so
+one list of set ids per slot describes its whole mapping. This file is the mechanism only:
+which slot gets which sets is the slot table's policy (slots.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vmkv.drivers import MemoryDriver, RawCallError, Reservation
+from vmkv.kv_cache import OutOfKVMemory
+from vmkv.vattention.geometry import SlotGeometry
+from vmkv.vattention.pool import PageSetPool
+
+
+@dataclass
+class Slot:
+    """One sequence's region in every K/V tensor, and the page sets mapped into it."""
+
+    index: int
+    sets: list[int] = field(default_factory=list)  # page-set id mapped at each page index
+    seq_id: int | None = None  # None: idle (it may still keep pages)
+    generation: int = 0  # bumped whenever the owner changes; stale mapper jobs compare it
+    pinned: int = 0  # pages the current step's plan reads; never reclaimed under it
+
+
+@dataclass
+class MappingEvents:
+    """The cache's own event counts (KVStats fields of the same names)."""
+
+    map_calls_critical: int = 0
+    map_calls_background: int = 0
+    map_seconds_critical: float = 0.0
+    map_seconds_background: float = 0.0
+    unmap_calls: int = 0
+    group_pad_page_sets: int = 0
+    page_sets_reused: int = 0
+    page_sets_reclaimed: int = 0
+    ahead_skipped: int = 0
+    minor_faults: int = 0
+    fork_shared_pages: int = 0
+    fork_copied_pages: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+
+
+class SlotMapping:
+    """Owns the driver pages of num_sets page sets and the reservations of every K/V tensor."""
+
+    def __init__(
+        self,
+        driver: MemoryDriver,
+        owns_driver: bool,
+        geometry: SlotGeometry,
+        dtype: torch.dtype,
+        num_sets: int,
+        combined_reservation: bool,
+    ) -> None:
+        self.driver, self.geometry = driver, geometry
+        self.events = MappingEvents()
+        self._owns_driver = owns_driver
+        self.placed: list[tuple[Reservation, int]] = []
+        self._pages: list[int] = []
+        try:
+            self._pages = driver.alloc(num_sets * geometry.units)
+            self.pool = PageSetPool(self._pages, geometry.units)
+            self._reserve(dtype, combined_reservation)
+        except BaseException:
+            self.give_back()
+            raise
+
+    def _reserve(self, dtype: torch.dtype, combined: bool) -> None:
+        """One reservation per tensor (or one for all), and their zero-copy views."""
+        geo, drv = self.geometry, self.driver
+        if combined:
+            whole = drv.reserve(geo.num_tensors * geo.tensor_bytes)
+            self.placed = [(whole, t * geo.tensor_bytes) for t in range(geo.num_tensors)]
+        else:
+            for _ in range(geo.num_tensors):
+                self.placed.append((drv.reserve(geo.tensor_bytes), 0))
+        numel = geo.tensor_bytes // geo.itemsize
+        self._bytes = [
+            drv.view(r, torch.uint8, [geo.tensor_bytes], off, require_mapped=False) for r, off in self.placed
+        ]
+        views = [
+            geo.as_tensor(drv.view(r, dtype, [numel], off, require_mapped=False)) for r, off in self.placed
+        ]
+        self.k, self.v = views[0::2], views[1::2]  # per layer
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every K/V view in reservation order (K0, V0, K1, V1, ...)."""
+        return [view for pair in zip(self.k, self.v, strict=True) for view in pair]
+
+    def map_sets(self, slot: Slot, sets: list[int], background: bool) -> None:
+        """Map page sets at the slot's next page indices, in every column of every tensor.
+
+        All or nothing: a failed driver call unmaps what this call mapped and gives the sets
+        back; ENOMEM (vm.max_map_count, or the machine out of memory) becomes OutOfKVMemory.
+        """
+        geo = self.geometry
+        calls = self.driver.stats.map_calls
+        t0 = time.perf_counter()
+        first = len(slot.sets)
+        started: list[tuple[Reservation, int]] = []
+        try:
+            for t, (res, base) in enumerate(self.placed):
+                for c in range(geo.columns):
+                    offset = base + geo.page_offset(slot.index, c, first)
+                    started.append((res, offset))
+                    self.driver.map(res, offset, [self.pool.physical(s, t * geo.columns + c) for s in sets])
+        except RawCallError as e:
+            for res, offset in started:
+                for i in range(len(sets)):
+                    if self.driver.is_mapped(res, offset + i * geo.page_size, geo.page_size):
+                        self.driver.unmap(res, offset + i * geo.page_size)
+            for set_id in sets:
+                self.pool.release(set_id)
+            if e.errno == errno.ENOMEM:
+                raise OutOfKVMemory(len(sets) * geo.units, 0, "pages") from e
+            raise
+        finally:
+            calls, seconds = self.driver.stats.map_calls - calls, time.perf_counter() - t0
+            if background:
+                self.events.map_calls_background += calls
+                self.events.map_seconds_background += seconds
+            else:
+                self.events.map_calls_critical += calls
+                self.events.map_seconds_critical += seconds
+        slot.sets.extend(sets)
+
+    def drop_pages(self, slot: Slot, keep: int) -> None:
+        """Unmap the slot's pages from index keep on and release their sets."""
+        geo = self.geometry
+        if len(slot.sets) <= keep:
+            return
+        count = len(slot.sets) - keep
+        for res, base in self.placed:
+            for c in range(geo.columns):
+                self.driver.unmap(res, base + geo.page_offset(slot.index, c, keep), count)
+                self.events.unmap_calls += 1
+        for set_id in slot.sets[keep:]:
+            self.pool.release(set_id)
+        del slot.sets[keep:]
+
+    def copy_pages(self, src: Slot, dst: Slot, first: int, count: int) -> None:
+        """Copy pages first..first+count-1 of every column of every tensor from src to dst."""
+        geo = self.geometry
+        start, nbytes = first * geo.page_size, count * geo.page_size
+        for data in self._bytes:
+            for c in range(geo.columns):
+                to = geo.page_offset(dst.index, c, 0) + start
+                from_ = geo.page_offset(src.index, c, 0) + start
+                data[to : to + nbytes].copy_(data[from_ : from_ + nbytes])
+
+    def assert_backed(self, slot: Slot, num_tokens: int) -> None:
+        """Raise unless every byte of the slot's first num_tokens is mapped (config.debug)."""
+        geo = self.geometry
+        for res, base in self.placed:
+            for c in range(geo.columns):
+                self.driver.assert_mapped(
+                    res, base + geo.page_offset(slot.index, c, 0), num_tokens * geo.column_token_bytes
+                )
+
+    def give_back(self) -> None:
+        """Unreserve and free the pages (or close a driver this cache built)."""
+        if self.driver.closed:
+            return
+        if self._owns_driver:
+            self.driver.close()
+            return
+        for res in {r for r, _ in self.placed}:
+            self.driver.release(res)
+        self.driver.free(self._pages)
+

@@ -1,0 +1,152 @@
+"""The slot table and its placement policy: which slot a sequence gets, which page sets back it,
+and which kept pages are reclaimed when free ones run short.
+
+Deferred reclamation: a freed slot keeps its pages for the next sequence placed there, and
+a sequence may hold pages mapped ahead of its needs; both are reclaimed (idle slots first)
+before memory is reported short. The caller holds the cache's lock around every call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from vmkv.kv_cache import OutOfKVMemory
+from vmkv.vattention.config import VAttentionConfig
+from vmkv.vattention.mapping import Slot, SlotMapping
+
+
+@dataclass
+class SlotSeq:
+    """A sequence in the cache: its slot and how many of its tokens are reserved and written."""
+
+    slot: int  # -1 while swapped out
+    length: int  # tokens reserved: prompt + every grow
+    written: int = 0  # tokens some finished step has written; fork shares only pages below this
+    host_kv: torch.Tensor | None = None  # [tensors, length, Hkv, D] while swapped out
+
+
+class SlotTable:
+    def __init__(self, mapping: SlotMapping, config: VAttentionConfig) -> None:
+        self.mapping, self.config = mapping, config
+        self.geometry, self.pool = mapping.geometry, mapping.pool
+        self.slots = [Slot(i) for i in range(self.geometry.max_slots)]
+        self.seqs: dict[int, SlotSeq] = {}
+
+    def idle(self) -> list[Slot]:
+        return [s for s in self.slots if s.seq_id is None]
+
+    def pick(self, needed: int) -> Slot | None:
+        """An idle slot: the lowest with enough kept pages, else the one keeping the most."""
+        idle = self.idle()
+        if not idle:
+            return None
+        enough = [s for s in idle if len(s.sets) >= needed]
+        if enough:
+            return enough[0]
+        return min(idle, key=lambda s: (-len(s.sets), s.index))
+
+    def assign(self, slot: Slot, seq_id: int) -> None:
+        """The slot now belongs to seq_id; the generation bump drops stale mapper jobs."""
+        slot.seq_id = seq_id
+        slot.generation += 1
+
+    def release(self, slot: Slot, keep_pages: bool = False) -> None:
+        """The slot becomes idle; stale mapper jobs for it are dropped by the generation bump."""
+        slot.seq_id = None
+        slot.generation += 1
+        slot.pinned = 0
+        if not keep_pages:
+            self.mapping.drop_pages(slot, 0)
+
+    def fork(self, parent: SlotSeq, child_id: int) -> None:
+        """Place child_id in an idle slot (the one keeping the fewest pages: they are dropped),
+        sharing the parent's full written pages and copying the rest."""
+        geo, mapping = self.geometry, self.mapping
+        idle = self.idle()
+        if not idle:
+            raise OutOfKVMemory(1, 0, "slots")
+        slot = min(idle, key=lambda s: (len(s.sets), s.index))
+        src = self.slots[parent.slot]
+        shared = src.sets[: parent.written * geo.column_token_bytes // geo.page_size]
+        copied = geo.pages_for(parent.length) - len(shared)
+        self.require(copied, exclude=[])  # the chosen slot's kept pages count: they are dropped
+        mapping.drop_pages(slot, 0)
+        self.assign(slot, child_id)
+        self.seqs[child_id] = SlotSeq(slot.index, parent.length, parent.written)
+        try:
+            if shared:
+                for set_id in shared:
+                    self.pool.share(set_id)
+                mapping.map_sets(slot, shared, background=False)
+            if copied:
+                mapping.map_sets(slot, self.take(copied, slot), background=False)
+        except BaseException:
+            self.release(slot)
+            del self.seqs[child_id]
+            raise
+        mapping.copy_pages(src, slot, len(shared), copied)
+        mapping.events.fork_shared_pages += len(shared) * geo.units
+        mapping.events.fork_copied_pages += copied * geo.units
+
+    def pin(self, seqs: list[SlotSeq]) -> None:
+        """The step's plan reads these sequences' pages: none of them is reclaimed under it."""
+        for slot in self.slots:
+            slot.pinned = 0
+        for seq in seqs:
+            self.slots[seq.slot].pinned = len(self.slots[seq.slot].sets)
+
+    def back(self, slot: Slot, needed: int, length: int, eager: bool) -> None:
+        """Map the pages tokens 0..length-1 need (critical path), plus eager ones if free."""
+        if needed > len(slot.sets):
+            self.mapping.map_sets(slot, self.take(needed - len(slot.sets), slot), background=False)
+        if self.config.eager_steps and eager:
+            want = self.geometry.pages_for(length + self.config.eager_steps) - len(slot.sets)
+            if 0 < want <= self.pool.free_count:
+                with contextlib.suppress(OutOfKVMemory):  # eager pages are best effort
+                    self.mapping.map_sets(slot, self.pool.take(want, self.prefer(slot)), background=False)
+
+    def take(self, n: int, slot: Slot) -> list[int]:
+        """n free page sets, reclaiming kept pages when the free list is short (checked by require)."""
+        if n > self.pool.free_count:
+            self._reclaim(n - self.pool.free_count, exclude=slot)
+        return self.pool.take(n, self.prefer(slot))
+
+    @staticmethod
+    def prefer(slot: Slot) -> int | None:
+        """Continue the slot's physical run; a fresh slot lets the pool place it."""
+        return slot.sets[-1] + 1 if slot.sets else None
+
+    def reclaimable(self, slot: Slot) -> int:
+        """Pages that can go without touching anything a sequence needs or a plan reads."""
+        if slot.seq_id is None:
+            return len(slot.sets)
+        seq = self.seqs[slot.seq_id]
+        return max(0, len(slot.sets) - max(self.geometry.pages_for(seq.length), slot.pinned))
+
+    def available(self, exclude: Slot | list[Slot] | None = None) -> int:
+        """Free page sets plus those reclaimable outside `exclude`."""
+        skip = {s.index for s in (exclude if isinstance(exclude, list) else [exclude]) if s is not None}
+        return self.pool.free_count + sum(self.reclaimable(s) for s in self.slots if s.index not in skip)
+
+    def require(self, missing: int, exclude: Slot | list[Slot]) -> None:
+        """Raise OutOfKVMemory, before any change, unless `missing` page sets can be found."""
+        if missing > 0:
+            available = self.available(exclude)
+            if missing > available:
+                units = self.geometry.units
+                raise OutOfKVMemory(missing * units, available * units, "pages")
+
+    def _reclaim(self, n: int, exclude: Slot) -> None:
+        """Free n page sets: idle slots' kept pages first (highest slot first), then mapped-ahead pages."""
+        order = sorted(self.slots, key=lambda s: (s.seq_id is not None, -s.index))
+        for slot in order:
+            if n <= 0:
+                return
+            take = min(n, self.reclaimable(slot)) if slot is not exclude else 0
+            if take:
+                self.mapping.drop_pages(slot, len(slot.sets) - take)
+                self.mapping.events.page_sets_reclaimed += take
+                n -= take
