@@ -45,7 +45,7 @@ def write(cache: VAttentionKVCache, steps: list[SeqStep], fill: dict[int, float]
 def stored(cache: VAttentionKVCache, seq_id: int, length: int) -> list[torch.Tensor]:
     """The K views of a sequence's first `length` tokens in every layer (copied out)."""
     slot = cache.table.seqs[seq_id].slot
-    return [k[slot, :length].clone() for k in cache.mapping.k] + [v[slot, :length].clone() for v in cache.mapping.v]
+    return [view[slot, :length].clone() for view in cache.mapping.k + cache.mapping.v]
 
 
 def check_invariants(cache: VAttentionKVCache, strict: bool) -> None:

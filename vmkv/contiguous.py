@@ -14,15 +14,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from vmkv.dense_slots import DenseSlotSequences
+from vmkv.dense.attention import attend_dense, check_attend_args
+from vmkv.dense.plan import DEFAULT_MAX_PADDING, DenseSlotPlan, plan_step
+from vmkv.dense.sequences import DenseSlotSequences
 from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, StepBatch
-from vmkv.vattention.attention import (
-    DEFAULT_MAX_PADDING,
-    DenseSlotPlan,
-    attend_dense,
-    check_attend_args,
-    plan_step,
-)
 
 
 @dataclass

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from vmkv.dense.plan import group_decodes
 from vmkv.kv_cache import OutOfKVMemory, StepBatch
-from vmkv.vattention.attention import group_decodes
 from vmkv.vattention.mapper import MapJob
 from vmkv.vattention.slots import SlotSeq, SlotTable
 

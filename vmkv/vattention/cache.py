@@ -2,7 +2,7 @@
 
 A sequence owns a slot of every per-layer K/V tensor (mapping.py); pages are mapped into it
 as it grows so that every token a step writes is backed, and attention reads the slots in
-place: stock kernels on views of them, or the CPU decode kernel for decodes (attention.py).
+place: stock kernels on views of them, or the CPU decode kernel for decodes (vmkv/dense/).
 This file is the KV-cache contract; the jobs behind it each have their own file:
 budget.py (construction from a budget), slots.py (slot table, placement and reclamation),
 mapping.py (reservations, map/unmap with rollback), ahead.py (look-ahead and group padding),
@@ -28,19 +28,13 @@ from collections.abc import Sequence
 
 import torch
 
-from vmkv.dense_slots import DenseSlotSequences
+from vmkv.dense.attention import attend_dense, check_attend_args
+from vmkv.dense.plan import DenseSlotPlan, decode_kernels, flash_usable, plan_step
+from vmkv.dense.sequences import DenseSlotSequences
 from vmkv.drivers import MemoryDriver
 from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, StepBatch
 from vmkv.vattention import swap
 from vmkv.vattention.ahead import MapAhead
-from vmkv.vattention.attention import (
-    DenseSlotPlan,
-    attend_dense,
-    check_attend_args,
-    decode_kernels,
-    flash_usable,
-    plan_step,
-)
 from vmkv.vattention.budget import size_cache
 from vmkv.vattention.config import VAttentionConfig
 from vmkv.vattention.mapper import BackgroundMapper, MapJob

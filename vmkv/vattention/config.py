@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vmkv.dense.plan import DEFAULT_MAX_PADDING
 from vmkv.drivers import DEFAULT_PAGE_SIZE
-from vmkv.vattention.attention import DEFAULT_MAX_PADDING
 
 # "auto" layout: head-major up to this page size. Its decode attention is ~25-30% faster on
 # CPU SDPA, but a sequence grows by one page per KV head at a time, so with 2 MiB (CUDA)
