@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -30,6 +30,12 @@ MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
+Penalty = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-2.0, le=2.0)]
+# OpenAI's logit_bias maps token ids (JSON object keys, so strings) to a bias in [-100, 100]
+LogitBias = dict[
+    Annotated[int, Field(ge=0)], Annotated[float, Field(allow_inf_nan=False, ge=-100.0, le=100.0)]
+]
+JsonSchema = dict[str, Any]
 
 
 def _utf8_encodable(text: str) -> str:
@@ -63,8 +69,42 @@ class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: Text = "response"
+    description: Text | None = None
+    schema_: JsonSchema = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputsParams(OpenAIModel):
+    """vLLM's structured_outputs: exactly one of its fields."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: JsonSchema | Text | None = Field(default=None, alias="json")
+    regex: NonEmptyText | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: NonEmptyText | None = None
+    json_object: StrictBool | None = None
+
+
 class SamplingFields(OpenAIModel):
-    """Parameters both generation endpoints share, with the OpenAI defaults."""
+    """Parameters both generation endpoints share, with the OpenAI defaults. The vLLM extensions
+    the engine implements are here too; fields the server knows but does not implement are
+    declared as well, so that a request setting one is refused (400) instead of ignored."""
 
     model: Text | None = None
     temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=100.0)] = 1.0
@@ -80,6 +120,27 @@ class SamplingFields(OpenAIModel):
     cache_salt: NonEmptyText | None = Field(
         default=None, description="Requests share cached prefixes only when their salts are equal."
     )
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=100.0)] = 1.0
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=1.0)] = 0.0
+    logit_bias: LogitBias | None = None
+    skip_special_tokens: StrictBool = True
+    user: Text | None = Field(default=None, description="Accepted for OpenAI clients; changes nothing.")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: JsonSchema | Text | None = None
+    guided_regex: NonEmptyText | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyText | None = None
+    # known and refused with a 400 when set (see docs/server.md)
+    bad_words: list[Text] | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    logits_processors: list[Any] | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    include_stop_str_in_output: StrictBool = False
 
     @property
     def stop_strings(self) -> list[str]:
@@ -104,6 +165,11 @@ class CompletionRequest(SamplingFields):
     )
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: StrictBool = Field(default=False, description="Return the prompt text before each choice's text.")
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = Field(
+        default=None, description="Only n itself (or null): sampling more than n to keep the best is refused."
+    )
+    suffix: Text | None = None  # refused when set
 
 
 class TextContentPart(OpenAIModel):
@@ -133,6 +199,15 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
+    # known and refused with a 400 when set: this server has no tool-call parser
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    echo: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def max_new_tokens(self) -> int | None:

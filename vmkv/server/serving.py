@@ -9,7 +9,8 @@ deltas, which a stream forwards and a plain response accumulates.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable
+import json
+from collections.abc import AsyncGenerator, Awaitable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -19,6 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
 from vmkv.engine import RequestRejected, SamplingParams
+from vmkv.engine.sampling_params import StructuredOutput
+from vmkv.engine.structured_output import check_structured
 from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed, SampleDelta, TokenLogprob
 from vmkv.server.errors import APIError, bad_request, error_body
 from vmkv.server.limits import RequestLimits
@@ -61,6 +64,7 @@ class Submission:
     params: SamplingParams
     choice_offset: int
     cache_salt: str | None
+    echo: str = ""  # text each choice starts with (completions' echo: the prompt)
 
 
 @dataclass
@@ -68,6 +72,7 @@ class Choice:
     """A sample's output so far."""
 
     index: int
+    echo: str = ""  # sent before the first generated text (completions' echo)
     text: str = ""
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -142,10 +147,27 @@ class OpenAIServing:
         self.limits.check(num_prompts, body.n, len(body.stop_strings))
         self.limits.check_queue(self.engine.stats().num_waiting)
 
-    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+    def check_token_ids(self, token_ids: Iterable[int], param: str) -> None:
         vocab_size = self.engine.vocab_size
         if any(token_id >= vocab_size for token_id in token_ids):
             raise bad_request(f"token ids must be below the vocabulary size {vocab_size}", param)
+
+    def structured_output(self, body: SamplingFields) -> StructuredOutput | None:
+        """The request's output constraint, from whichever of response_format, structured_outputs
+        or guided_* names one (two at once is a 400); a spec that does not parse is a 400 too."""
+        found = [(param, spec) for param, spec in structured_specs(body) if spec is not None]
+        if len(found) > 1:
+            raise bad_request(
+                f"give one output constraint, not {found[0][0]} and {found[1][0]} together", found[1][0]
+            )
+        if not found:
+            return None
+        param, spec = found[0]
+        try:
+            check_structured(spec)
+        except ValueError as error:
+            raise bad_request(f"{param} is not a valid {spec.kind} constraint: {error}", param) from None
+        return spec
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
         if not self.tokenizer.chat_template:
@@ -201,9 +223,15 @@ class OpenAIServing:
         max_tokens: int,
         logprobs: int | None,
         choice_offset: int,
+        structured: StructuredOutput | None,
     ) -> Submission:
         """An engine request the engine is known to accept (anything else is a 400 here)."""
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+        self.check_token_ids(body.logit_bias or {}, "logit_bias")
+        if body.min_tokens > max_tokens:
+            raise bad_request(
+                f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
+            )
         top_k = min(body.top_k, self.engine.vocab_size) if body.top_k is not None and body.top_k > 0 else 0
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -216,26 +244,41 @@ class OpenAIServing:
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            min_tokens=body.min_tokens,
+            min_p=body.min_p,
+            logit_bias=body.logit_bias,
+            structured=structured,
         )
         try:
             self.engine.validate(prompt_ids, params)
         except RequestRejected as error:
-            raise bad_request(str(error)) from error
+            raise bad_request(str(error), error.param) from error
         return Submission(request_id, prompt_ids, params, choice_offset, body.cache_salt)
 
     # ---------------------------------------------------------------------------- completions
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        check_supported(completion_refusals(body) + sampling_refusals(body))
         self.check_alive()
         request_id = random_id("cmpl")
         submissions = []
         prompts = completion_prompts(body)
         self.check_limits(len(prompts), body)
+        structured = self.structured_output(body)
         for i, prompt_ids in enumerate(await self.prompt_token_ids(prompts)):
             max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, "prompt")
             submissions.append(
-                self.submission(f"{request_id}-{i}", prompt_ids, body, max_tokens, body.logprobs, i * body.n)
+                self.submission(
+                    f"{request_id}-{i}", prompt_ids, body, max_tokens, body.logprobs, i * body.n, structured
+                )
             )
+        if body.echo:
+            for submission, prompt in zip(submissions, prompts, strict=True):
+                submission.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
         timer = self.metrics.timer()
         if body.stream:
             return EventStreamResponse(self.completion_events(body, request_id, submissions, timer))
@@ -248,7 +291,7 @@ class OpenAIServing:
             choices=[
                 CompletionChoice(
                     index=choice.index,
-                    text=choice.text,
+                    text=choice.echo + choice.text,
                     logprobs=self.completion_logprobs(choice.logprobs, 0)
                     if body.logprobs is not None
                     else None,
@@ -275,6 +318,11 @@ class OpenAIServing:
         choices = new_choices(submissions)
         with_logprobs = body.logprobs is not None
         try:
+            if body.echo:  # the prompts first, as a chunk of their own (logprobs are refused with echo)
+                echoed = [CompletionChoice(index=choice.index, text=choice.echo) for choice in choices]
+                yield sse_event(
+                    CompletionResponse(id=request_id, created=created, model=self.model_name, choices=echoed)
+                )
             async with aclosing(self.choice_deltas(submissions, choices, timer)) as steps:
                 async for step in steps:
                     chunk_choices = [
@@ -329,14 +377,16 @@ class OpenAIServing:
     # ----------------------------------------------------------------------------------- chat
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        check_supported(chat_refusals(body) + sampling_refusals(body))
         self.check_alive()
         self.check_limits(1, body)
+        structured = self.structured_output(body)
         text = self.render_chat(body.messages, body.add_generation_prompt)
         prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         request_id = random_id("chatcmpl")
-        submissions = [self.submission(request_id, prompt_ids, body, max_tokens, logprobs, 0)]
+        submissions = [self.submission(request_id, prompt_ids, body, max_tokens, logprobs, 0, structured)]
         timer = self.metrics.timer()
         if body.stream:
             return EventStreamResponse(self.chat_events(body, request_id, submissions, timer))
@@ -483,7 +533,101 @@ def completion_prompts(body: CompletionRequest) -> list[str] | list[list[int]]:
 
 
 def new_choices(submissions: list[Submission]) -> list[Choice]:
-    return [Choice(index=s.choice_offset + i) for s in submissions for i in range(s.params.n)]
+    return [Choice(index=s.choice_offset + i, echo=s.echo) for s in submissions for i in range(s.params.n)]
+
+
+# (param, whether the request sets it, why it is refused): known fields not implemented here
+Refusal = tuple[str, bool, str]
+
+
+def check_supported(refusals: list[Refusal]) -> None:
+    """A 400 naming the first field set that this server does not implement, instead of ignoring it."""
+    for param, is_set, reason in refusals:
+        if is_set:
+            raise bad_request(f"{param} is not supported: {reason}", param)
+
+
+def sampling_refusals(body: SamplingFields) -> list[Refusal]:
+    return [
+        ("bad_words", bool(body.bad_words), "use logit_bias with -100 for the words' tokens"),
+        (
+            "prompt_logprobs",
+            body.prompt_logprobs is not None,
+            "the engine computes logits of sampled rows only",
+        ),
+        ("allowed_token_ids", body.allowed_token_ids is not None, "use logit_bias or a structured output"),
+        ("logits_processors", bool(body.logits_processors), "custom logits processors cannot be loaded"),
+        ("truncate_prompt_tokens", body.truncate_prompt_tokens is not None, "prompts are never truncated"),
+        ("include_stop_str_in_output", body.include_stop_str_in_output, "stop strings are always cut"),
+    ]
+
+
+def completion_refusals(body: CompletionRequest) -> list[Refusal]:
+    return [
+        ("suffix", bool(body.suffix), "this server does not insert text"),
+        (
+            "best_of",
+            body.best_of is not None and body.best_of != body.n,
+            "sampling more choices than n and returning the best is not implemented; ask for n",
+        ),
+        ("echo", body.echo and body.logprobs is not None, "echo with logprobs needs the prompt's logprobs"),
+    ]
+
+
+def chat_refusals(body: ChatCompletionRequest) -> list[Refusal]:
+    no_tool = (None, "none")
+    return [
+        ("tools", bool(body.tools) and body.tool_choice != "none", "this server has no tool-call parser"),
+        ("tool_choice", body.tool_choice not in no_tool, "this server has no tool-call parser"),
+        ("functions", bool(body.functions), "this server has no tool-call parser"),
+        ("function_call", body.function_call not in no_tool, "this server has no tool-call parser"),
+        ("echo", body.echo, "chat echo is not implemented"),
+        ("continue_final_message", body.continue_final_message, "not implemented"),
+        ("chat_template", body.chat_template is not None, "the model's own chat template is used"),
+        ("chat_template_kwargs", bool(body.chat_template_kwargs), "the model's own chat template is used"),
+    ]
+
+
+def structured_specs(body: SamplingFields) -> list[tuple[str, StructuredOutput | None]]:
+    """Every way a request can ask for a constrained output, as (param, spec or None)."""
+    specs: list[tuple[str, StructuredOutput | None]] = []
+    response_format = body.response_format
+    if response_format is None or response_format.type == "text":
+        specs.append(("response_format", None))
+    elif response_format.type == "json_object":
+        specs.append(("response_format", StructuredOutput("json_object")))
+    else:
+        specs.append(("response_format", json_spec(response_format.json_schema.schema_)))
+    so = body.structured_outputs
+    if so is not None:
+        fields = [
+            ("json", None if so.json_ is None else json_spec(so.json_)),
+            ("regex", None if so.regex is None else StructuredOutput("regex", so.regex)),
+            ("choice", None if so.choice is None else StructuredOutput("choice", choices=tuple(so.choice))),
+            ("grammar", None if so.grammar is None else StructuredOutput("grammar", so.grammar)),
+            ("json_object", StructuredOutput("json_object") if so.json_object else None),
+        ]
+        specs += [(f"structured_outputs.{name}", spec) for name, spec in fields]
+    specs += [
+        ("guided_json", None if body.guided_json is None else json_spec(body.guided_json)),
+        ("guided_regex", None if body.guided_regex is None else StructuredOutput("regex", body.guided_regex)),
+        (
+            "guided_choice",
+            None
+            if body.guided_choice is None
+            else StructuredOutput("choice", choices=tuple(body.guided_choice)),
+        ),
+        (
+            "guided_grammar",
+            None if body.guided_grammar is None else StructuredOutput("grammar", body.guided_grammar),
+        ),
+    ]
+    return specs
+
+
+def json_spec(schema: dict | str) -> StructuredOutput:
+    """A JSON-schema constraint from a schema object or its JSON text (checked later)."""
+    return StructuredOutput("json", schema if isinstance(schema, str) else json.dumps(schema))
 
 
 def usage(submissions: list[Submission], choices: list[Choice]) -> Usage:
