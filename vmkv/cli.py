@@ -11,15 +11,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as transformers_logging
 
 from vmkv.bench.cli import add_bench_arguments, bench_main
+from vmkv.engine.args import positive_int
 from vmkv.model.store import DEFAULT_MODEL, UnknownModelError, load_model, load_tokenizer, resolve_model
 from vmkv.server.launcher import add_serve_arguments, serve_main
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def complete_chat(

@@ -42,8 +42,8 @@ from vmkv.bench.workloads import (
     trace_workload,
 )
 from vmkv.engine import EngineConfig
-from vmkv.engine.config import DTYPES, KV_MODES, PREEMPTION_MODES
-from vmkv.engine.cpu_linear import has_native_half_gemm
+from vmkv.engine.args import AUTO_DTYPE, add_engine_arguments, engine_config, positive_int
+from vmkv.engine.config import KV_MODES
 from vmkv.kv_cache import KVShape
 from vmkv.model.store import DEFAULT_MODEL, load_tokenizer, resolve_model
 
@@ -96,13 +96,6 @@ FULL = Profile(
 )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -135,8 +128,11 @@ def _slo(text: str) -> SLO:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# engine fields the benchmark sets from its own flags: --model, --modes, --seed, --threads
+BENCH_SET = ("model", "kv_mode", "seed", "num_threads")
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineConfig()
     run = parser.add_argument_group("benchmark")
     run.add_argument("--model", default=DEFAULT_MODEL, help="model name or local checkpoint directory")
     run.add_argument(
@@ -161,14 +157,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"comma-separated subset of {','.join(WORKLOADS)} (default: chat; --full: all)",
     )
-    run.add_argument("--num-requests", type=_positive_int, default=None, help="requests per run")
+    run.add_argument("--num-requests", type=positive_int, default=None, help="requests per run")
     run.add_argument(
-        "--repeats", type=_positive_int, default=None, help="A B A B rounds per workload and rate"
+        "--repeats", type=positive_int, default=None, help="A B A B rounds per workload and rate"
     )
     run.add_argument(
-        "--max-prompt", type=_positive_int, default=None, help="clip prompt lengths (short: 512)"
+        "--max-prompt", type=positive_int, default=None, help="clip prompt lengths (short: 512)"
     )
-    run.add_argument("--max-output", type=_positive_int, default=None, help="clip output lengths (short: 48)")
+    run.add_argument("--max-output", type=positive_int, default=None, help="clip output lengths (short: 48)")
     run.add_argument(
         "--rates", type=_rates, default=None, help="offline arrival rates in req/s, e.g. 1,4,inf"
     )
@@ -189,7 +185,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument(
-        "--threads", type=_positive_int, default=None, help="torch threads (default: torch's choice)"
+        "--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)"
     )
 
     trace = parser.add_argument_group("trace replay (added to the offline and online runs)")
@@ -202,9 +198,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="multiply trace times by this (0.01 plays 100 s in 1 s)",
     )
-    trace.add_argument("--trace-max-prompt", type=_positive_int, default=1024, help="clip prompt lengths")
-    trace.add_argument("--trace-max-output", type=_positive_int, default=256, help="clip output lengths")
-    trace.add_argument("--trace-limit", type=_positive_int, default=None, help="replay only the first N rows")
+    trace.add_argument("--trace-max-prompt", type=positive_int, default=1024, help="clip prompt lengths")
+    trace.add_argument("--trace-max-output", type=positive_int, default=256, help="clip output lengths")
+    trace.add_argument("--trace-limit", type=positive_int, default=None, help="replay only the first N rows")
 
     peers = parser.add_argument_group("peers")
     peers.add_argument(
@@ -217,20 +213,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     peers.add_argument("--peer-api-key", default=None, help="bearer key for the peer servers")
 
     engine = parser.add_argument_group("engine (the same for every mode and peer)")
-    engine.add_argument(
-        "--dtype",
-        choices=["auto", *DTYPES],
-        default="auto",
-        help="auto: bfloat16 where the CPU multiplies it natively, else float32",
-    )
-    engine.add_argument("--kv-budget-mib", type=_positive_int, default=512, help="KV cache budget in MiB")
-    engine.add_argument("--max-model-len", type=_positive_int, default=defaults.max_model_len)
-    engine.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs)
-    engine.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=defaults.max_num_batched_tokens
-    )
-    engine.add_argument("--block-size", type=_positive_int, default=defaults.block_size, help="paged mode")
-    engine.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=defaults.preemption_mode)
+    defaults = EngineConfig(kv_budget_bytes=512 * MIB)
+    add_engine_arguments(engine, defaults, skip=BENCH_SET, default_dtype=AUTO_DTYPE)
 
 
 class Progress:
@@ -324,13 +308,6 @@ def build_rounds(args: argparse.Namespace, plan: Plan, tokens: TokenRange, varia
     return rounds
 
 
-def auto_dtype() -> str:
-    """bfloat16 where the engine runs it with native GEMMs (AVX512-BF16, AMX), float32 elsewhere: the
-    engine's own rule (vmkv.engine.cpu_linear.has_native_half_gemm), so the benchmark serves the
-    dtype the engine would pick, never one whose matmuls take a slow fallback."""
-    return "bfloat16" if has_native_half_gemm(torch.bfloat16) else "float32"
-
-
 def token_range(model_path: Path) -> TokenRange:
     """Ordinary tokens only: prompts never contain a special (chat-template, end-of-sequence) token."""
     tokenizer = load_tokenizer(model_path)
@@ -401,17 +378,7 @@ def bench_main(args: argparse.Namespace) -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for the server processes
     plan = make_plan(args)
     model_path = resolve_model(args.model)
-    config = EngineConfig(
-        model=str(model_path),
-        dtype=auto_dtype() if args.dtype == "auto" else args.dtype,
-        kv_budget_bytes=args.kv_budget_mib * MIB,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        preemption_mode=args.preemption_mode,
-        seed=args.seed,
-    )
+    config = engine_config(args, model=str(model_path), seed=args.seed, num_threads=args.threads)
     kv_shape, attention_shape = model_shapes(model_path, config.torch_dtype, args.block_size)
     tokens = token_range(model_path)
     offline_rounds = build_rounds(args, plan, tokens, plan.offline)

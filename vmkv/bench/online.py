@@ -27,8 +27,8 @@ from vmkv.bench.metrics import RequestRecord
 from vmkv.bench.offline import RunOutcome, Target
 from vmkv.bench.workloads import BenchRequest, Workload
 from vmkv.engine import EngineConfig
+from vmkv.engine.args import engine_flags
 
-MIB = 1 << 20
 SERVER_START_SECONDS = 300.0
 # Runs `vmkv serve` from the installed package, whatever the `vmkv` command is wired to.
 _SERVE = (
@@ -48,41 +48,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def serve_arguments(config: EngineConfig, port: int, host: str = "127.0.0.1") -> list[str]:
     """`vmkv serve` flags for the same engine settings as an offline run."""
-    if config.kv_budget_bytes % MIB:
-        raise ValueError(
-            f"the server takes its KV budget in MiB; {config.kv_budget_bytes} bytes is not whole MiB"
-        )
-    args = [
-        "--model",
-        config.model,
-        "--kv-mode",
-        config.kv_mode,
-        "--dtype",
-        config.dtype,
-        "--device",
-        config.device,
-        "--kv-budget-mib",
-        str(config.kv_budget_bytes // MIB),
-        "--max-model-len",
-        str(config.max_model_len),
-        "--max-num-seqs",
-        str(config.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(config.max_num_batched_tokens),
-        "--preemption-mode",
-        config.preemption_mode,
-        "--block-size",
-        str(config.block_size),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    if not config.enable_prefix_caching:
-        args.append("--no-prefix-caching")
-    return args
+    return [*engine_flags(config), "--host", host, "--port", str(port), "--log-level", "warning"]
 
 
 class ServerProcess:

@@ -7,9 +7,8 @@ import os
 
 import uvicorn
 
-from vmkv.engine import AsyncLLM, AsyncProcessLLM, EngineConfig, EngineStartError
-from vmkv.engine.config import DTYPES, KV_MODES, PREEMPTION_MODES
-from vmkv.model.store import DEFAULT_MODEL
+from vmkv.engine import AsyncLLM, AsyncProcessLLM, EngineStartError
+from vmkv.engine.args import add_engine_arguments, engine_config, positive_int
 from vmkv.server.app import build_app
 from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
 from vmkv.server.engine_client import EngineClient
@@ -17,20 +16,10 @@ from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES
 from vmkv.server.limits import RequestLimits
 
 API_KEY_ENV = "VMKV_API_KEY"
-MIB = 1 << 20
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineConfig()
     server = parser.add_argument_group("server")
-    server.add_argument("--model", default=DEFAULT_MODEL, help="model name or local checkpoint directory")
     server.add_argument(
         "--served-model-name",
         default=None,
@@ -53,27 +42,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--max-body-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies get 413",
     )
     limits = RequestLimits()
     server.add_argument(
         "--max-prompts-per-request",
-        type=_positive_int,
+        type=positive_int,
         default=limits.max_prompts,
         help="prompts in one request",
     )
     server.add_argument(
         "--max-samples-per-request",
-        type=_positive_int,
+        type=positive_int,
         default=limits.max_samples,
         help="prompts x n in one request",
     )
-    server.add_argument("--max-stop-strings", type=_positive_int, default=limits.max_stop_strings)
+    server.add_argument("--max-stop-strings", type=positive_int, default=limits.max_stop_strings)
     server.add_argument(
         "--max-waiting-requests",
-        type=_positive_int,
+        type=positive_int,
         default=limits.max_waiting,
         help="requests queued in the engine; beyond, new ones get 429 with Retry-After",
     )
@@ -95,62 +84,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine in its own process (default: faster, see docs/server.md); "
         "--no-engine-process steps it on a thread of the server process",
     )
-    engine.add_argument("--kv-mode", choices=KV_MODES, default=defaults.kv_mode)
-    engine.add_argument("--dtype", choices=list(DTYPES), default=defaults.dtype)
-    engine.add_argument("--device", default=defaults.device)
-    engine.add_argument(
-        "--kv-budget-mib",
-        type=_positive_int,
-        default=defaults.kv_budget_bytes // MIB,
-        help="KV cache size in MiB",
-    )
-    engine.add_argument(
-        "--max-model-len",
-        type=_positive_int,
-        default=defaults.max_model_len,
-        help="longest prompt + generation, in tokens",
-    )
-    engine.add_argument(
-        "--num-threads",
-        type=_positive_int,
-        default=None,
-        help="torch threads of the engine (default: one per core; fewer where other work keeps a core busy)",
-    )
-    engine.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs)
-    engine.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=defaults.max_num_batched_tokens
-    )
-    engine.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=defaults.preemption_mode)
-    engine.add_argument(
-        "--block-size", type=_positive_int, default=defaults.block_size, help="tokens per block (paged mode)"
-    )
-    engine.add_argument(
-        "--no-prefix-caching", action="store_true", help="turn prefix caching off (paged mode)"
-    )
-    engine.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.compile_model,
-        help="run the model under torch.compile, compiled once at start (default: off, see docs/engine.md)",
-    )
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        kv_mode=args.kv_mode,
-        dtype=args.dtype,
-        device=args.device,
-        kv_budget_bytes=args.kv_budget_mib * MIB,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        preemption_mode=args.preemption_mode,
-        block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.num_threads,
-        compile_model=args.compile,
-    )
+    add_engine_arguments(engine)
 
 
 def serve_main(args: argparse.Namespace) -> None:

@@ -1,0 +1,70 @@
+"""The engine flags: every EngineConfig field has one, and a config survives the round trip
+through the flags the bench gives its servers."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vmkv.engine.args import add_engine_arguments, engine_config, engine_flags
+from vmkv.engine.config import EngineConfig
+from vmkv.server.launcher import add_serve_arguments
+
+
+def parse(argv: list[str]) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return engine_config(parser.parse_args(argv))
+
+
+def test_defaults_are_the_config_defaults() -> None:
+    assert parse([]) == EngineConfig()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        EngineConfig(),
+        EngineConfig(
+            model="/models/x",
+            kv_mode="paged",
+            dtype="float32",
+            kv_budget_bytes=64 << 20,
+            max_model_len=512,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            preemption_mode="swap",
+            block_size=32,
+            page_size=4096,
+            enable_prefix_caching=False,
+            seed=7,
+            num_threads=2,
+            fp32_gemm=False,
+            compile_model=True,
+        ),
+    ],
+)
+def test_every_field_round_trips_through_the_flags(config: EngineConfig) -> None:
+    assert parse(engine_flags(config)) == config
+
+
+def test_serve_parses_the_same_flags() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    config = EngineConfig(kv_mode="contiguous", page_size=8192, fp32_gemm=True)
+    assert engine_config(parser.parse_args(engine_flags(config))) == config
+
+
+def test_skipped_fields_come_from_overrides_and_auto_dtype_resolves() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser, skip=("model", "seed"), default_dtype="auto")
+    args = parser.parse_args([])
+    assert not hasattr(args, "model") and not hasattr(args, "seed")
+    config = engine_config(args, model="m", seed=3)
+    assert (config.model, config.seed) == ("m", 3) and config.dtype in ("bfloat16", "float32")
+
+
+def test_a_budget_that_is_not_whole_mib_has_no_flag() -> None:
+    with pytest.raises(ValueError, match="MiB"):
+        engine_flags(EngineConfig(kv_budget_bytes=(1 << 20) + 1))

@@ -1,0 +1,176 @@
+"""Engine settings on the command line: the one place that maps EngineConfig fields to flags.
+
+Every command that builds an engine (`vmkv serve`, `vmkv bench`) adds these flags and builds
+its EngineConfig from them; the bench turns a config back into the same flags for the
+servers it starts. Every EngineConfig field has a flag, named after the field (kv_budget_bytes
+is given in MiB, compile_model is --compile, enable_prefix_caching is --prefix-caching).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Collection
+
+import torch
+
+from vmkv.engine.config import DTYPES, KV_MODES, PREEMPTION_MODES, EngineConfig
+from vmkv.engine.cpu_linear import has_native_half_gemm
+from vmkv.model.store import DEFAULT_MODEL
+
+MIB = 1 << 20
+AUTO_DTYPE = "auto"
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def auto_dtype() -> str:
+    """bfloat16 where the engine runs it with native GEMMs (AVX512-BF16, AMX), float32 elsewhere: the
+    engine's own rule (vmkv.engine.cpu_linear.has_native_half_gemm), never a dtype whose matmuls
+    take a slow fallback."""
+    return "bfloat16" if has_native_half_gemm(torch.bfloat16) else "float32"
+
+
+def add_engine_arguments(
+    group: argparse._ActionsContainer,
+    defaults: EngineConfig | None = None,
+    skip: Collection[str] = (),
+    default_dtype: str | None = None,
+) -> None:
+    """Add a flag for every EngineConfig field but those in `skip` (set by the caller instead).
+
+    default_dtype may be "auto" (see auto_dtype); it defaults to defaults.dtype.
+    """
+    d = defaults or EngineConfig()
+    named: set[str] = set()
+
+    def add(field: str, flag: str, **options: object) -> None:
+        named.add(field)
+        if field not in skip:
+            group.add_argument(flag, **{"dest": field, **options})
+
+    add("model", "--model", default=DEFAULT_MODEL, help="model name or local checkpoint directory")
+    add("kv_mode", "--kv-mode", choices=KV_MODES, default=d.kv_mode)
+    add(
+        "dtype",
+        "--dtype",
+        choices=[AUTO_DTYPE, *DTYPES],
+        default=default_dtype or d.dtype,
+        help=f"{AUTO_DTYPE}: bfloat16 where the CPU multiplies it natively, else float32",
+    )
+    add("device", "--device", default=d.device)
+    add(
+        "kv_budget_bytes",
+        "--kv-budget-mib",
+        dest="kv_budget_mib",
+        type=positive_int,
+        default=d.kv_budget_bytes // MIB,
+        help="KV cache size in MiB",
+    )
+    add(
+        "max_model_len",
+        "--max-model-len",
+        type=positive_int,
+        default=d.max_model_len,
+        help="longest prompt + generation, in tokens",
+    )
+    add("max_num_seqs", "--max-num-seqs", type=positive_int, default=d.max_num_seqs)
+    add(
+        "max_num_batched_tokens",
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=d.max_num_batched_tokens,
+    )
+    add("preemption_mode", "--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode)
+    add(
+        "block_size",
+        "--block-size",
+        type=positive_int,
+        default=d.block_size,
+        help="tokens per block (paged mode)",
+    )
+    add(
+        "page_size",
+        "--page-size",
+        type=positive_int,
+        default=d.page_size,
+        help="bytes per page (vattention mode; default: the layout's own)",
+    )
+    add(
+        "enable_prefix_caching",
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse the KV of cached prompt prefixes (paged mode)",
+    )
+    add("seed", "--seed", type=int, default=d.seed, help="sampling seed of requests that give none")
+    add(
+        "num_threads",
+        "--num-threads",
+        type=positive_int,
+        default=d.num_threads,
+        help="torch threads of the engine (default: one per core; fewer where other work keeps a core busy)",
+    )
+    add(
+        "fp32_gemm",
+        "--fp32-gemm",
+        action=argparse.BooleanOptionalAction,
+        default=d.fp32_gemm,
+        help="run half-precision linears as fp32 GEMMs (default: only where no native half GEMM exists)",
+    )
+    add(
+        "compile_model",
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=d.compile_model,
+        help="run the model under torch.compile, compiled once at start (default: off, see docs/engine.md)",
+    )
+    missing = {f.name for f in dataclasses.fields(EngineConfig)} - named
+    assert not missing, f"EngineConfig fields without a flag: {missing}"
+
+
+def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+    """The EngineConfig of parsed engine flags; `overrides` set the skipped fields (or replace any)."""
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "kv_budget_bytes" and hasattr(args, "kv_budget_mib"):
+            values[f.name] = args.kv_budget_mib * MIB
+        elif hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    values.update(overrides)
+    if values.get("dtype") == AUTO_DTYPE:
+        values["dtype"] = auto_dtype()
+    return EngineConfig(**values)
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The flags add_engine_arguments parses back into `config` (for a `vmkv serve` child)."""
+    if config.kv_budget_bytes % MIB:
+        raise ValueError(f"the KV budget flag is in MiB; {config.kv_budget_bytes} bytes is not whole MiB")
+    out = [
+        "--model", config.model,
+        "--kv-mode", config.kv_mode,
+        "--dtype", config.dtype,
+        "--device", config.device,
+        "--kv-budget-mib", str(config.kv_budget_bytes // MIB),
+        "--max-model-len", str(config.max_model_len),
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+        "--preemption-mode", config.preemption_mode,
+        "--block-size", str(config.block_size),
+        "--seed", str(config.seed),
+        "--prefix-caching" if config.enable_prefix_caching else "--no-prefix-caching",
+        "--compile" if config.compile_model else "--no-compile",
+    ]  # fmt: skip
+    if config.page_size is not None:
+        out += ["--page-size", str(config.page_size)]
+    if config.num_threads is not None:
+        out += ["--num-threads", str(config.num_threads)]
+    if config.fp32_gemm is not None:
+        out.append("--fp32-gemm" if config.fp32_gemm else "--no-fp32-gemm")
+    return out
