@@ -134,6 +134,20 @@ def test_logit_bias_shifts_the_listed_tokens(client: openai.OpenAI, served: Serv
     assert forced.choices[0].text == WORD * 4
 
 
+def test_bad_words_never_appear_at_the_start_or_after_a_space(client: openai.OpenAI, served: Served) -> None:
+    alone, spaced = single_token(served, "is"), single_token(served, " is")
+    bias = {str(alone): 20.0, str(spaced): 20.0}
+
+    def tokens(**extra: object) -> list[str]:
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.0, logprobs=0, extra_body=extra
+        )
+        return out.choices[0].logprobs.tokens
+
+    assert set(tokens(logit_bias=bias)) <= {"is", " is"}
+    assert not {"is", " is"} & set(tokens(logit_bias=bias, bad_words=["is"]))
+
+
 # ------------------------------------------------------------------------- echo and stop_reason
 def test_echo_returns_the_prompt_before_the_completion(client: openai.OpenAI) -> None:
     plain = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0.0)
@@ -261,7 +275,7 @@ def test_bad_structured_outputs_are_400s_naming_the_field(
         ({"suffix": "the end"}, "suffix"),
         ({"best_of": 2}, "best_of"),
         ({"echo": True, "logprobs": 1}, "echo"),
-        ({"bad_words": ["the"]}, "bad_words"),
+        ({"bad_words": [""]}, "bad_words"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"allowed_token_ids": [5]}, "allowed_token_ids"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),

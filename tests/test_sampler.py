@@ -91,6 +91,8 @@ def test_logprobs_are_top_k_of_the_raw_distribution_plus_the_sampled_token() -> 
         ("min_p", 1.5),
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", {3: 101.0}),
+        ("bad_words_token_ids", [[]]),
+        ("bad_words_token_ids", [[1, -2]]),
     ],
 )
 def test_invalid_sampling_params_raise_value_errors_naming_the_field(field: str, value: object) -> None:
@@ -152,6 +154,17 @@ def test_logit_bias_is_added_to_the_listed_tokens() -> None:
     assert greedy(logits, [0], [], logit_bias={1: 0.9}) == 0
     assert greedy(logits, [0], [], logit_bias={1: 1.1}) == 1
     assert greedy(logits, [0], [], logit_bias={0: -100.0, 2: 1.5}) == 2
+
+
+def test_bad_words_ban_the_token_that_would_complete_one() -> None:
+    logits = [0.0, 1.0, 2.0, 5.0, 0.0]  # 3 is the greedy choice
+    words = [[3], [1, 2, 3]]
+    assert greedy(logits, [0], [0], bad_words_token_ids=[[4, 3]]) == 3  # the output does not end in 4
+    assert greedy(logits, [0], [4], bad_words_token_ids=[[4, 3]]) == 2
+    assert greedy(logits, [0], [1, 2], bad_words_token_ids=[[1, 2, 2]]) == 3
+    assert greedy(logits, [0], [], bad_words_token_ids=words) == 2  # a one-token word: always banned
+    # only the output counts: a prompt ending in the word's prefix does not ban anything
+    assert greedy(logits, [4], [], bad_words_token_ids=[[4, 3]]) == 3
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability() -> None:

@@ -72,6 +72,10 @@ class EngineInfo:
             raise RequestRejected(f"expected SamplingParams, got {type(params).__name__}")
         text, prompt_ids = self.prompt_token_ids(tokenizer, prompt)
         self.check_fits(len(prompt_ids), params)
+        if any(t >= self.vocab_size for word in params.bad_words_token_ids for t in word):
+            raise RequestRejected(
+                f"bad_words token ids must be below the vocabulary size {self.vocab_size}", "bad_words"
+            )
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise RequestRejected(
                 f"logit_bias token ids must be below the vocabulary size {self.vocab_size}", "logit_bias"

@@ -90,6 +90,10 @@ class Sampler:
                 stops = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
                 mask_rows += [i] * len(stops)
                 mask_tokens += stops
+            if params.bad_words_token_ids:
+                banned = _banned_next_tokens(params.bad_words_token_ids, row.token_ids[row.prompt_len :])
+                mask_rows += [i] * len(banned)
+                mask_tokens += banned
             if params.logit_bias:
                 bias_rows += [i] * len(params.logit_bias)
                 bias_tokens += params.logit_bias.keys()
@@ -156,6 +160,17 @@ class Sampler:
             entry[int(tokens[i])] = chosen[j]
             out[i] = entry
         return out
+
+
+def _banned_next_tokens(words: list[list[int]], output: Sequence[int]) -> list[int]:
+    """The last token of every bad word whose other tokens end the output (a one-token word is
+    always banned), as vLLM's bad_words processor decides."""
+    banned = []
+    for word in words:
+        prefix = len(word) - 1
+        if prefix <= len(output) and (prefix == 0 or list(output[-prefix:]) == word[:-1]):
+            banned.append(word[-1])
+    return banned
 
 
 def _token_counts(

@@ -49,8 +49,10 @@ class SamplingParams:
     subtracts penalty x count and presence_penalty subtracts penalty once, for tokens in
     the output; min_tokens masks end-of-sequence and stop token ids until that many tokens
     exist; min_p drops tokens below min_p x the top token's probability (after temperature);
-    logit_bias adds its value to each listed token's logit; `structured` masks every token
-    the constraint does not allow and ends the sample when the constraint is complete.
+    logit_bias adds its value to each listed token's logit; bad_words_token_ids bans the last
+    token of each listed sequence wherever the output ends with the rest of it (the API
+    tokenizes bad_words into these, as vLLM does); `structured` masks every token the
+    constraint does not allow and ends the sample when the constraint is complete.
     """
 
     n: int = 1
@@ -70,6 +72,7 @@ class SamplingParams:
     min_tokens: int = 0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -110,6 +113,12 @@ class SamplingParams:
                 if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                     raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
                 _check_float("logit_bias", bias, -100.0, 100.0)
+        self.bad_words_token_ids = [list(word) for word in self.bad_words_token_ids]
+        if any(
+            not word or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in word)
+            for word in self.bad_words_token_ids
+        ):
+            raise ValueError("bad_words_token_ids must hold non-empty lists of non-negative token ids")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
 
@@ -131,6 +140,7 @@ class SamplingParams:
             or self.min_tokens > 0
             or self.min_p > 0.0
             or bool(self.logit_bias)
+            or bool(self.bad_words_token_ids)
             or self.structured is not None
         )
 

@@ -134,8 +134,8 @@ class SamplingFields(OpenAIModel):
     guided_regex: NonEmptyText | None = None
     guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
     guided_grammar: NonEmptyText | None = None
+    bad_words: list[NonEmptyText] | None = None
     # known and refused with a 400 when set (see docs/server.md)
-    bad_words: list[Text] | None = None
     prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
     allowed_token_ids: list[TokenId] | None = None
     logits_processors: list[Any] | None = None

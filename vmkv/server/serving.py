@@ -152,6 +152,20 @@ class OpenAIServing:
         if any(token_id >= vocab_size for token_id in token_ids):
             raise bad_request(f"token ids must be below the vocabulary size {vocab_size}", param)
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens as it would start the text and, where that differs in its first
+        token only, as it would follow a space (vLLM's rule), so the word is banned in both places."""
+        sequences = []
+        for word in words:
+            alone = self.tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"]
+            spaced = self.tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"]
+            if not alone:
+                raise bad_request(f"bad word {word!r} has no tokens", "bad_words")
+            sequences.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return sequences
+
     def structured_output(self, body: SamplingFields) -> StructuredOutput | None:
         """The request's output constraint, from whichever of response_format, structured_outputs
         or guided_* names one (two at once is a 400); a spec that does not parse is a 400 too."""
@@ -251,6 +265,7 @@ class OpenAIServing:
             min_tokens=body.min_tokens,
             min_p=body.min_p,
             logit_bias=body.logit_bias,
+            bad_words_token_ids=self.bad_words_token_ids(body.bad_words or []),
             structured=structured,
         )
         try:
@@ -549,7 +564,6 @@ def check_supported(refusals: list[Refusal]) -> None:
 
 def sampling_refusals(body: SamplingFields) -> list[Refusal]:
     return [
-        ("bad_words", bool(body.bad_words), "use logit_bias with -100 for the words' tokens"),
         (
             "prompt_logprobs",
             body.prompt_logprobs is not None,
