@@ -1,0 +1,111 @@
+"""Structured outputs in the engine: grammars compile off the step while their request waits,
+compiled grammars are cached by spec, each sample keeps its own matcher, and a grammar that
+completes ends its sample."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema_rs
+import pytest
+
+from vmkv import LLM, SamplingParams
+from vmkv.engine.sampling_params import StructuredOutput
+from vmkv.engine.structured_output import GrammarCompiler, check_structured
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPT = [5, 6, 7, 8]
+CHOICE = StructuredOutput("choice", choices=("red", "green", "blue"))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> Iterator[LLM]:
+    llm = LLM(
+        str(tiny_model_dir), kv_mode="paged", dtype="float32", max_model_len=256, kv_budget_bytes=1 << 22
+    )
+    yield llm
+    llm.engine.close()
+
+
+def test_each_sample_follows_the_grammar_with_its_own_matcher(llm: LLM) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+    }
+    params = SamplingParams(
+        n=4, temperature=1.0, seed=2, max_tokens=60, structured=StructuredOutput("json", json.dumps(schema))
+    )
+    outputs = llm.generate([PROMPT, PROMPT[:2]], params)
+    texts = [sample.text for out in outputs for sample in out.outputs]
+    for text in texts:
+        jsonschema_rs.validate(schema, json.loads(text))
+    assert len(set(texts)) > 1
+    assert {sample.finish_reason for out in outputs for sample in out.outputs} == {"stop"}
+
+
+def test_a_completed_grammar_stops_the_sample_even_with_ignore_eos(llm: LLM) -> None:
+    out = llm.generate(
+        PROMPT, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=50, structured=CHOICE)
+    )
+    sample = out[0].outputs[0]
+    assert sample.text in CHOICE.choices and sample.finish_reason == "stop"
+    assert len(sample.token_ids) < 50
+
+
+def test_a_waiting_grammar_does_not_hold_up_other_requests(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = llm.engine
+    release = threading.Event()
+    compile_for_real = GrammarCompiler._compile
+
+    def slow_compile(self: GrammarCompiler, spec: StructuredOutput) -> object:
+        release.wait(timeout=30)
+        return compile_for_real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow_compile)
+    regex = StructuredOutput("regex", r"[0-9]{4}")  # not compiled yet by any test
+    engine.add_request("constrained", PROMPT, SamplingParams(temperature=0.0, max_tokens=8, structured=regex))
+    engine.add_request("plain", PROMPT, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert engine.stats().num_waiting == 2
+    finished = {}
+    while "plain" not in finished:
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+    assert "constrained" not in finished and engine.stats().num_waiting == 1
+    engine.add_request(
+        "aborted", PROMPT, SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "x+"))
+    )
+    assert engine.abort_request("aborted").outputs[0].finish_reason == "abort"
+    release.set()
+    while engine.has_unfinished_requests():
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+    assert "aborted" not in finished
+    text = finished["constrained"].outputs[0].text
+    assert len(text) == 4 and text.isdigit()
+
+
+def test_compiled_grammars_are_cached_by_spec(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    compile_for_real = GrammarCompiler._compile
+
+    def counting(self: GrammarCompiler, spec: StructuredOutput) -> object:
+        calls.append(spec)
+        return compile_for_real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", counting)
+    grammar = StructuredOutput("grammar", 'root ::= "(" [a-z]+ ")"')
+    for seed in range(3):
+        out = llm.generate(PROMPT, SamplingParams(seed=seed, max_tokens=30, structured=grammar))
+        assert out[0].outputs[0].text.startswith("(")
+    assert calls == [grammar]
+
+
+def test_a_grammar_that_does_not_compile_fails_only_its_request(llm: LLM) -> None:
+    bad, good = StructuredOutput("regex", "[a-"), SamplingParams(temperature=0.0, max_tokens=4)
+    outputs = llm.generate([PROMPT, PROMPT], [SamplingParams(structured=bad), good])
+    assert outputs[0].outputs[0].finish_reason == "error" and "compile" in outputs[0].error
+    assert outputs[1].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="Unclosed"):
+        check_structured(bad)  # what the API process runs first, for a 400
