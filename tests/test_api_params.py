@@ -148,6 +148,13 @@ def test_bad_words_never_appear_at_the_start_or_after_a_space(client: openai.Ope
     assert not {"is", " is"} & set(tokens(logit_bias=bias, bad_words=["is"]))
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(client: openai.OpenAI) -> None:
+    eos = {"logit_bias": {str(EOS): 100.0}, "ignore_eos": True}
+    assert complete(client, max_tokens=2, **eos).choices[0].text == ""
+    kept = complete(client, max_tokens=2, skip_special_tokens=False, **eos).choices[0].text
+    assert kept == "<|im_end|>" * 2
+
+
 # ------------------------------------------------------------------------- echo and stop_reason
 def test_echo_returns_the_prompt_before_the_completion(client: openai.OpenAI) -> None:
     plain = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0.0)
