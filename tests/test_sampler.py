@@ -204,9 +204,12 @@ def test_a_token_bitmask_allows_exactly_its_set_bits() -> None:
     for token in allowed:
         word, bit = divmod(token, 32)
         bitmask[0, word] |= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
-    masked = apply_token_bitmask(torch.zeros(2, vocab), bitmask)
-    assert set(masked[0].isfinite().nonzero().flatten().tolist()) == allowed
-    assert masked[1].isfinite().all()  # new_token_bitmask allows everything
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(12))
+    masked = logits.clone()
+    apply_token_bitmask(masked, bitmask, torch.tensor([2, 0]))  # bitmask row j masks logits row rows[j]
+    assert set(masked[2].isfinite().nonzero().flatten().tolist()) == allowed
+    assert torch.equal(masked[2, sorted(allowed)], logits[2, sorted(allowed)])  # the rest unchanged
+    assert torch.equal(masked[:2], logits[:2])  # new_token_bitmask allows everything; row 1 is not listed
 
 
 def test_structured_outputs_are_validated() -> None:

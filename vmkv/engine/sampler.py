@@ -78,8 +78,7 @@ class Sampler:
             bitmask = new_token_bitmask(len(grammar_rows), logits.shape[1])
             for j, i in enumerate(grammar_rows):
                 rows[i].grammar.fill(bitmask, j)
-            index = torch.tensor(grammar_rows, device=logits.device)
-            logits[index] = apply_token_bitmask(logits[index], bitmask.to(logits.device))
+            apply_token_bitmask(logits, bitmask, torch.tensor(grammar_rows, device=logits.device))
         # (row, token) pairs to mask or bias: a few per row, never the vocabulary
         mask_rows, mask_tokens = [], []
         bias_rows, bias_tokens, bias_values = [], [], []
