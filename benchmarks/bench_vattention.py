@@ -259,7 +259,7 @@ def bench_vmas(num_seqs: int, length: int) -> str:
                 [
                     f"{layout}-major",
                     f"{num_seqs} x {length}",
-                    int(cache.stats().units_in_use),
+                    int(cache.stats().pages_mapped),
                     num_seqs * cache.geometry.units,
                     count_vmas(cache),
                     limit,

@@ -671,7 +671,7 @@ def test_metrics_exposition(served: Served) -> None:
         assert count >= 1
         assert samples[f'vllm:{name}_bucket{{model_name="{MODEL}",le="+Inf"}}'] == count
     expected_layout_counters = {
-        "vattention": ("map_calls_critical", "map_calls_background", "units_in_use"),
+        "vattention": ("map_calls_critical", "map_calls_background", "pages_mapped"),
         "paged": ("blocks_allocated", "cow_copies"),
         "contiguous": ("units_in_use",),
     }[served.kv_mode]

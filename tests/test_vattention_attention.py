@@ -188,7 +188,7 @@ def test_kernel_decodes_every_slot_in_one_call_without_padding_pages(layout: str
     driver = Driver(cache, 2)
     lengths = [3, 30, 31, 33, 64, 65, 100, 20]
     errors = driver.run([SeqStep(i, n, 1) for i, n in enumerate(lengths)])
-    pages = cache.stats().units_in_use
+    pages = cache.stats().pages_mapped
     for i in range(len(lengths)):
         cache.grow(i, [1])
     steps = [SeqStep(i, n + 1, 1) for i, n in enumerate(lengths)]
@@ -196,7 +196,7 @@ def test_kernel_decodes_every_slot_in_one_call_without_padding_pages(layout: str
     assert plan.kernel_decode is not None and not plan.groups and not plan.singles
     assert cache.stats().group_pad_page_sets == 0
     errors += driver.step(steps)
-    assert cache.stats().units_in_use <= pages + len(lengths) * cache.geometry.units
+    assert cache.stats().pages_mapped <= pages + len(lengths) * cache.geometry.units
     cache.close()
     assert max(errors) < TOLERANCE[torch.float32]
 

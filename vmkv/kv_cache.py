@@ -146,6 +146,7 @@ class KVStats:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     # vattention: page mapping, on the step's critical path or by the background mapper
+    pages_mapped: int | None = None  # mappings: a page shared by a fork counts once per slot
     map_calls_critical: int | None = None
     map_calls_background: int | None = None
     map_seconds_critical: float | None = None

@@ -32,7 +32,7 @@ class KVSample:
     running_seqs: int
     allocated_bytes: int
     used_bytes: int
-    units_in_use: float  # KVStats.units_in_use: pages mapped, blocks in use or slots used
+    units_in_use: float  # KVStats.units_in_use: physical pages, blocks or slots held
 
 
 @dataclass

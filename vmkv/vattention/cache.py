@@ -173,14 +173,16 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             )
 
     def stats(self) -> KVStats:
-        """Units are driver pages: a page set maps geometry.units of them."""
-        driver = self.driver.stats
+        """Units are physical pages (a page set holds geometry.units of them), a shared one
+        counted once; pages_mapped counts mappings, so a page a fork shares counts twice."""
+        units, pool = self.geometry.units, self.pool
         with self._lock:
             return KVStats(
                 unit="page",
-                units_total=self.pool.num_sets * self.geometry.units,
-                units_in_use=driver.pages_mapped,
-                units_peak=driver.peak_pages_mapped,
+                units_total=pool.num_sets * units,
+                units_in_use=(pool.num_sets - pool.free_count) * units,
+                units_peak=pool.peak_held * units,
+                pages_mapped=self.driver.stats.pages_mapped,
                 page_sets_total=self.pool.num_sets,
                 page_sets_free=self.pool.free_count,
                 page_sets_idle_kept=sum(len(s.sets) for s in self.table.idle()),

@@ -26,6 +26,7 @@ class PageSetPool:
         self._free = np.ones(self.num_sets, dtype=bool)
         self._free_count = self.num_sets
         self.refcount = [0] * self.num_sets
+        self.peak_held = 0  # most sets held at once
 
     @property
     def free_count(self) -> int:
@@ -55,6 +56,7 @@ class PageSetPool:
             out.append(want)
             want = (want + 1) % self.num_sets
         self._free_count -= n
+        self.peak_held = max(self.peak_held, self.num_sets - self._free_count)
         return out
 
     def _middle_of_largest_run(self) -> int:

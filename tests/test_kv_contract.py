@@ -1,0 +1,245 @@
+"""The KV-cache contract, the same for every layout: one state machine, run over all three.
+
+Random admit / grow / step / fork / free / swap / preempt sequences through the public API
+only. A token's K/V are a fixed function of its prefix (as a model's are, which is what lets
+the paged prefix cache hand out cached KV), so every step checks attention against the
+reference over what each sequence must hold: no sequence ever sees another one's data, a
+fork or a swap brings back exactly what was there, a prefix hit is the right KV. A failed
+call (OutOfKVMemory, SequenceTooLong) changes nothing, can_admit never promises what admit
+refuses, nothing is freed twice, and once everything is freed the cache has exactly its
+first capacity again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import pytest
+import torch
+from attention_reference import reference_attention
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from vmkv.paging import PagedKVCache
+
+from vmkv.contiguous import ContiguousKVCache
+from vmkv.kv_cache import KVCache, KVShape, OutOfKVMemory, SeqStep, SequenceTooLong, StepBatch
+from vmkv.vattention import VAttentionKVCache
+
+# 128 B per token per K or V tensor: a 4 KiB vattention page holds 32 tokens token-major
+SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+Q_HEADS, MAX_LEN, SCALE, PAGE = 4, 80, 0.25, 4096
+LAYOUTS = ("vattention", "paged", "contiguous")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@functools.cache
+def kv_of(layer: int, prefix: tuple[int, ...]) -> torch.Tensor:
+    """[2, Hkv, D]: K and V of the last token of `prefix` in `layer`."""
+    digest = hashlib.blake2b(repr((layer, prefix)).encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+    return torch.randn(2, SHAPE.num_kv_heads, SHAPE.head_dim, generator=generator)
+
+
+def build(layout: str, option: int) -> KVCache:
+    """A small cache of the layout; `option` picks one of its variants."""
+    if layout == "vattention":
+        variants = [
+            {"deferred_reclamation": False, "eager_steps": 0, "group_pad_pages": 0},
+            {"deferred_reclamation": True, "eager_steps": 40, "group_pad_pages": 1},
+            {"deferred_reclamation": True, "eager_steps": 0, "layout": "head"},
+        ]
+        options = {"layout": "token", "background_mapping": False} | variants[option]
+        units = 2 * SHAPE.num_layers * (SHAPE.num_kv_heads if options["layout"] == "head" else 1)
+        return VAttentionKVCache(SHAPE, MAX_LEN, 7 * units * PAGE, page_size=PAGE, **options)
+    if layout == "paged":
+        budget = 20 * 8 * SHAPE.bytes_per_token
+        return PagedKVCache(
+            SHAPE, MAX_LEN, budget, block_size=8, enable_prefix_caching=option != 0, model_id="m"
+        )
+    return ContiguousKVCache(SHAPE, MAX_LEN, 3 * MAX_LEN * SHAPE.bytes_per_token)
+
+
+class ContractLifecycle(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: KVCache | None = None
+        self.tokens: dict[int, list[int]] = {}  # every sequence in the cache -> its tokens
+        self.computed: dict[int, int] = {}  # tokens whose KV a finished step wrote
+        self.swapped: set[int] = set()
+        self.freed: list[int] = []
+        self.next_id = 0
+        self.gen = torch.Generator().manual_seed(0)
+
+    @initialize(layout=st.sampled_from(LAYOUTS), option=st.integers(0, 2))
+    def start(self, layout: str, option: int) -> None:
+        self.cache = build(layout, option)
+        self.capacity = self.cache.free_capacity()
+
+    def teardown(self) -> None:
+        if self.cache is None:
+            return
+        for seq_id in list(self.tokens):
+            self.cache.free(seq_id)
+        assert self.cache.free_capacity() == self.capacity  # nothing leaked
+        assert self.cache.usage() == 0 and self.cache.memory().used_bytes == 0
+        self.cache.close()
+
+    # ---------------------------------------------------------------- helpers
+    def resident(self) -> list[int]:
+        return sorted(set(self.tokens) - self.swapped)
+
+    def computed_resident(self) -> list[int]:
+        return [s for s in self.resident() if self.computed[s] == len(self.tokens[s])]
+
+    def observe(self) -> tuple:
+        cache = self.cache
+        return cache.free_capacity(), cache.usage(), cache.memory(), cache.stats().units_in_use
+
+    def truth(self, seq_id: int, layer: int, end: int, start: int = 0) -> torch.Tensor:
+        """[2, end - start, Hkv, D]: the K/V the sequence's tokens start..end-1 must have."""
+        tokens = self.tokens[seq_id]
+        return torch.stack([kv_of(layer, tuple(tokens[: p + 1])) for p in range(start, end)], dim=1)
+
+    def free_sequence(self, seq_id: int) -> None:
+        self.cache.free(seq_id)
+        del self.tokens[seq_id], self.computed[seq_id]
+        self.swapped.discard(seq_id)
+        self.freed.append(seq_id)
+
+    def unchanged_on_failure(self, call: object, *args: object) -> bool:
+        """Run call(*args); if it raises the 'cannot' errors, check that nothing changed."""
+        before = self.observe()
+        try:
+            call(*args)
+        except (OutOfKVMemory, SequenceTooLong):
+            assert self.observe() == before
+            return False
+        return True
+
+    # ------------------------------------------------------------------ rules
+    @rule(
+        base=st.sampled_from([[1] * 40, [1, 2] * 20, [3, 2, 1] * 14]),
+        length=st.integers(1, 40),
+        tail=st.lists(st.integers(1, 3), max_size=4),
+    )
+    def admit(self, base: list[int], length: int, tail: list[int]) -> None:
+        """Prompts often share prefixes, so that prefix-cache hits happen where there is one."""
+        prompt = (base[:length] + tail)[:length]
+        promised = self.cache.can_admit(len(prompt))
+        before = self.observe()
+        try:
+            cached = self.cache.admit(self.next_id, prompt)
+        except OutOfKVMemory:
+            assert not promised and self.observe() == before
+            return
+        assert 0 <= cached < len(prompt)
+        self.tokens[self.next_id], self.computed[self.next_id] = list(prompt), cached
+        self.next_id += 1
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data(), new=st.lists(st.integers(1, 3), min_size=1, max_size=12))
+    def grow(self, data: st.DataObject, new: list[int]) -> None:
+        seq_id = data.draw(st.sampled_from(self.resident()))
+        if self.unchanged_on_failure(self.cache.grow, seq_id, new):
+            self.tokens[seq_id] += new
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """Compute every pending token of some sequences in one step; check attention in every layer."""
+        chosen = data.draw(st.sets(st.sampled_from(self.resident()), min_size=1))
+        steps = [
+            SeqStep(s, self.computed[s], len(self.tokens[s]) - self.computed[s])
+            for s in sorted(chosen)
+            if len(self.tokens[s]) > self.computed[s]
+        ]
+        if not steps:
+            return
+        batch = StepBatch.build(steps)
+        plan = self.cache.prepare(batch)
+        for layer in range(SHAPE.num_layers):
+            new = torch.cat([self.truth(s.seq_id, layer, s.context_len, s.num_cached) for s in steps], dim=1)
+            q = torch.randn(batch.num_tokens, Q_HEADS, SHAPE.head_dim, generator=self.gen)
+            out = self.cache.attend(layer, q, new[0].contiguous(), new[1].contiguous(), plan, SCALE)
+            contexts = [self.truth(s.seq_id, layer, s.context_len) for s in steps]
+            ref = reference_attention(q, [c[0] for c in contexts], [c[1] for c in contexts], steps, SCALE)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+        self.cache.finish_step(plan)
+        for s in steps:
+            self.computed[s.seq_id] = s.context_len
+
+    @precondition(lambda self: self.computed_resident())
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        """As the engine forks: a sample whose tokens are all computed."""
+        parent = data.draw(st.sampled_from(self.computed_resident()))
+        if self.unchanged_on_failure(self.cache.fork, parent, self.next_id):
+            self.tokens[self.next_id] = list(self.tokens[parent])
+            self.computed[self.next_id] = self.computed[parent]
+            self.next_id += 1
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        self.free_sequence(data.draw(st.sampled_from(sorted(self.tokens))))
+
+    @precondition(lambda self: self.freed)
+    @rule(data=st.data())
+    def free_again(self, data: st.DataObject) -> None:
+        """A sequence is freed once: a second free is an error and changes nothing."""
+        before = self.observe()
+        with pytest.raises(KeyError):
+            self.cache.free(data.draw(st.sampled_from(self.freed)))
+        assert self.observe() == before
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def preempt_by_recompute(self, data: st.DataObject) -> None:
+        """The scheduler's recompute: free the sequence, admit its tokens again as a new one."""
+        seq_id = data.draw(st.sampled_from(self.resident()))
+        tokens = self.tokens[seq_id]
+        self.free_sequence(seq_id)
+        try:
+            cached = self.cache.admit(self.next_id, tokens)
+        except OutOfKVMemory:
+            return
+        self.tokens[self.next_id], self.computed[self.next_id] = list(tokens), cached
+        self.next_id += 1
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        group = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=2, unique=True))
+        self.cache.swap_out(group)
+        self.swapped.update(group)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        group = data.draw(
+            st.lists(st.sampled_from(sorted(self.swapped)), min_size=1, max_size=2, unique=True)
+        )
+        if self.unchanged_on_failure(self.cache.swap_in, group):
+            self.swapped.difference_update(group)
+
+    # ------------------------------------------------------------- invariants
+    @invariant()
+    def accounting_is_consistent(self) -> None:
+        if self.cache is None:
+            return
+        memory, stats = self.cache.memory(), self.cache.stats()
+        assert 0 <= self.cache.usage() <= 1 and self.cache.free_capacity() >= 0
+        assert 0 <= memory.used_bytes <= memory.allocated_bytes <= memory.reserved_bytes
+        resident_tokens = sum(len(self.tokens[s]) for s in self.resident())
+        assert memory.used_bytes <= resident_tokens * SHAPE.bytes_per_token
+        assert 0 <= stats.units_in_use <= min(stats.units_peak, stats.units_total)
+        assert 0 <= stats.prefix_cache_hits <= stats.prefix_cache_queries
+
+
+ContractLifecycle.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_contract = ContractLifecycle.TestCase
