@@ -56,6 +56,19 @@ def test_a_completed_grammar_stops_the_sample_even_with_ignore_eos(llm: LLM) -> 
     assert len(sample.token_ids) < 50
 
 
+def test_a_row_left_with_no_allowed_token_ends_instead_of_failing_the_step(llm: LLM) -> None:
+    # the choice completes long before min_tokens, which masks the only token the grammar still allows
+    held = SamplingParams(temperature=1.0, seed=4, min_tokens=10, max_tokens=20, structured=CHOICE)
+    nothing = SamplingParams(
+        temperature=1.0, max_tokens=5, structured=StructuredOutput("grammar", "root ::= root")
+    )
+    plain = SamplingParams(temperature=1.0, seed=4, max_tokens=5, ignore_eos=True)
+    outputs = llm.generate([PROMPT] * 3, [held, nothing, plain])
+    assert outputs[0].outputs[0].text in CHOICE.choices and outputs[0].outputs[0].finish_reason == "stop"
+    assert outputs[1].outputs[0].text == "" and outputs[1].outputs[0].finish_reason == "stop"
+    assert len(outputs[2].outputs[0].token_ids) == 5  # the step went on for its neighbours
+
+
 def test_a_waiting_grammar_does_not_hold_up_other_requests(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = llm.engine
     release = threading.Event()

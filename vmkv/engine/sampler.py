@@ -55,11 +55,17 @@ class Sampler:
         logits; tokens from the processed ones. Rows with a grammar accept their token here."""
         raw = logits
         processed = [i for i, r in enumerate(rows) if r.params.processes_logits]
+        blocked: set[int] = set()
         if processed:
             logits = logits.clone()
             self._process(logits, rows, processed)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+            best, tokens = logits.max(dim=-1)
+            blocked = {i for i in processed if best[i] == float("-inf")}
+            for i in blocked:
+                tokens[i] = self._blocked_token(raw[i])
+        else:
+            tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy and i not in blocked]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
             tokens[index] = self._sample(logits[index], [rows[i] for i in random_rows])
@@ -68,6 +74,13 @@ class Sampler:
             if row.grammar is not None:
                 row.grammar.accept(token_ids[i])
         return SamplerOutput(token_ids, self._logprobs(raw, rows, tokens))
+
+    def _blocked_token(self, raw_logits: torch.Tensor) -> int:
+        """The token for a row whose processors left nothing allowed (a grammar that is complete
+        while min_tokens still masks end-of-sequence, or one that allows nothing): end-of-sequence,
+        which ends the sample, or the raw argmax for a model without one; never an id past the
+        vocabulary, which a draw from an all -inf row would give."""
+        return self.eos_token_ids[0] if self.eos_token_ids else int(raw_logits.argmax())
 
     # ------------------------------------------------------------------ logits processors
     def _process(self, logits: torch.Tensor, rows: list[SampleRow], processed: list[int]) -> None:

@@ -166,9 +166,10 @@ class OpenAIServing:
                 sequences.append(spaced)
         return sequences
 
-    def structured_output(self, body: SamplingFields) -> StructuredOutput | None:
+    async def structured_output(self, body: SamplingFields) -> StructuredOutput | None:
         """The request's output constraint, from whichever of response_format, structured_outputs
-        or guided_* names one (two at once is a 400); a spec that does not parse is a 400 too."""
+        or guided_* names one (two at once is a 400); a spec that does not parse is a 400 too. It is
+        parsed on a worker thread: a large schema must not stall every stream on the event loop."""
         found = [(param, spec) for param, spec in structured_specs(body) if spec is not None]
         if len(found) > 1:
             raise bad_request(
@@ -178,7 +179,7 @@ class OpenAIServing:
             return None
         param, spec = found[0]
         try:
-            check_structured(spec)
+            await asyncio.to_thread(check_structured, spec)
         except ValueError as error:
             raise bad_request(f"{param} is not a valid {spec.kind} constraint: {error}", param) from None
         return spec
@@ -283,7 +284,7 @@ class OpenAIServing:
         submissions = []
         prompts = completion_prompts(body)
         self.check_limits(len(prompts), body)
-        structured = self.structured_output(body)
+        structured = await self.structured_output(body)
         for i, prompt_ids in enumerate(await self.prompt_token_ids(prompts)):
             max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, "prompt")
             submissions.append(
@@ -395,7 +396,7 @@ class OpenAIServing:
         check_supported(chat_refusals(body) + sampling_refusals(body))
         self.check_alive()
         self.check_limits(1, body)
-        structured = self.structured_output(body)
+        structured = await self.structured_output(body)
         text = self.render_chat(body.messages, body.add_generation_prompt)
         prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
