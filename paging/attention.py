@@ -74,7 +74,7 @@ class DecodePart:
     tables: torch.Tensor  # int32 [Bd, max_blocks]
     lens: torch.Tensor  # int32 [Bd]: context lengths
     max_len: int
-    gather: torch.Tensor | None = None  # torch path: int64 [Bd * Hkv * max_len] rows of [slots * Hkv, D]
+    gather: torch.Tensor | None = None  # torch path: int64 [Bd * Hkv * max_len] rows of [token rows * Hkv, D]
     mask: torch.Tensor | None = None  # torch path: bool [Bd, 1, 1, max_len]
     kernel_plan: DecodePlan | None = None  # cpu_kernel path, built by the step's first layer
 
@@ -91,7 +91,7 @@ class PagedPlan:
     """What every layer of one step reads: where to write, and how to attend."""
 
     batch: StepBatch
-    slot_mapping: torch.Tensor  # int64 [T]: block * block_size + offset of every new token
+    write_rows: torch.Tensor  # int64 [T]: token row (block * block_size + offset) of every new token
     parts: list[SeqPart]  # sequences attended one by one
     decode: DecodePart | None = None
     flash: FlashPart | None = None
@@ -122,11 +122,11 @@ class ReferenceAttention:
         self,
         batch: StepBatch,
         tables: list[list[int]],
-        slot_mapping: torch.Tensor,
+        write_rows: torch.Tensor,
         rows: list[torch.Tensor] | None = None,
     ) -> PagedPlan:
         starts = batch.query_start.tolist()
-        device = slot_mapping.device  # the cache's device, whatever the batch was built on
+        device = write_rows.device  # the cache's device, whatever the batch was built on
         parts = [
             SeqPart(
                 starts[i],
@@ -138,7 +138,7 @@ class ReferenceAttention:
             )
             for i, (s, t) in enumerate(zip(batch.steps, tables, strict=True))
         ]
-        return PagedPlan(batch, slot_mapping, parts)
+        return PagedPlan(batch, write_rows, parts)
 
     def forward(
         self,
@@ -204,11 +204,11 @@ class BatchedAttention:
         self,
         batch: StepBatch,
         tables: list[list[int]],
-        slot_mapping: torch.Tensor,
+        write_rows: torch.Tensor,
         rows: list[torch.Tensor] | None = None,
     ) -> PagedPlan:
         """rows: each sequence's table as a tensor kept by the cache (see table_rows)."""
-        device = slot_mapping.device  # the cache's device, whatever the batch was built on
+        device = write_rows.device  # the cache's device, whatever the batch was built on
         starts = batch.query_start.tolist()
         parts, decode_ids = [], []
         for i, (s, t) in enumerate(zip(batch.steps, tables, strict=True)):
@@ -220,7 +220,7 @@ class BatchedAttention:
                     blocks = torch.tensor(t, device=device) if rows is None else rows[i][: len(t)].to(device)
                 mask = bottom_right_mask(s.num_cached, s.context_len, device)
                 parts.append(SeqPart(starts[i], starts[i + 1], s.num_cached, s.context_len, blocks, mask))
-        plan = PagedPlan(batch, slot_mapping, parts)
+        plan = PagedPlan(batch, write_rows, parts)
         if decode_ids:
             lens = [batch.steps[i].context_len for i in decode_ids]
             plan.decode = DecodePart(
@@ -279,12 +279,12 @@ class BatchedAttention:
         if d.gather is None:  # built by the first layer of the step, reused by the others
             device = k_blocks.device
             offsets = torch.arange(block_size, device=device)
-            slots = (d.tables.long()[:, :, None] * block_size + offsets).flatten(1)[:, : d.max_len]
+            token_rows = (d.tables.long()[:, :, None] * block_size + offsets).flatten(1)[:, : d.max_len]
             heads = torch.arange(num_kv_heads, device=device)
-            d.gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+            d.gather = (token_rows[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
             d.mask = (torch.arange(d.max_len, device=device) < d.lens[:, None])[:, None, None, :]
         bd = d.rows.shape[0]
-        # rows of the [slots * Hkv, D] view, gathered straight into SDPA's [B, Hkv, L, D] layout
+        # rows of the [token rows * Hkv, D] view, gathered straight into SDPA's [B, Hkv, L, D] layout
         kk = k_blocks.view(-1, head_dim).index_select(0, d.gather).view(bd, num_kv_heads, d.max_len, head_dim)
         vv = v_blocks.view(-1, head_dim).index_select(0, d.gather).view(bd, num_kv_heads, d.max_len, head_dim)
         qq = q if d.whole_batch else q.index_select(0, d.rows)
@@ -308,14 +308,14 @@ class FlashAttention:
         self,
         batch: StepBatch,
         tables: list[list[int]],
-        slot_mapping: torch.Tensor,
+        write_rows: torch.Tensor,
         rows: list[torch.Tensor] | None = None,
     ) -> PagedPlan:
-        device = slot_mapping.device  # the cache's device, whatever the batch was built on
+        device = write_rows.device  # the cache's device, whatever the batch was built on
         cu_k = torch.zeros(len(batch.steps) + 1, dtype=torch.int32, device=device)
         cu_k[1:] = torch.cumsum(batch.context_lens, 0)
         flash = FlashPart(batch.query_start.to(device, torch.int32), cu_k, table_rows(tables, rows, device))
-        return PagedPlan(batch, slot_mapping, [], flash=flash)
+        return PagedPlan(batch, write_rows, [], flash=flash)
 
     def forward(
         self,

@@ -96,8 +96,8 @@ class PagedKVCache(KVCache[PagedPlan]):
             device=self.device,
         )
         self._blocks = [(self.kv[i, 0], self.kv[i, 1]) for i in range(shape.num_layers)]
-        # the same memory as [slots, kv_heads, head_dim]: one index_copy_ writes a step's tokens
-        self._slots = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self._blocks]
+        # the same memory as [token rows, kv_heads, head_dim]: one index_copy_ writes a step's tokens
+        self._token_rows = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self._blocks]
         self.attention = self._attention_path(attention)
         self._seqs: dict[int, PagedSequence] = {}
         # every running sequence's block table as an int32 tensor of max_len's blocks, updated
@@ -259,10 +259,10 @@ class PagedKVCache(KVCache[PagedPlan]):
             return
         start = time.perf_counter()
         distinct = list(dict.fromkeys(b for s in seqs for b in s.block_table))
-        slot = {b: i for i, b in enumerate(distinct)}
+        host_block = {b: i for i, b in enumerate(distinct)}
         host = copy_to_host(self.kv, distinct)
         for s in seqs:
-            swapped = SwappedBlocks(host, [slot[b] for b in s.block_table])
+            swapped = SwappedBlocks(host, [host_block[b] for b in s.block_table])
             self._release(s)
             s.swapped = swapped
         self._events.swap_out_bytes += host.numel() * host.element_size()
@@ -271,21 +271,21 @@ class PagedKVCache(KVCache[PagedPlan]):
     def swap_in(self, seq_ids: Sequence[int]) -> None:
         seqs = self._distinct(seq_ids, self._swapped)
         # one new block per distinct host block: what the group shared, it shares again
-        wanted = list(dict.fromkeys((id(s.swapped.host), slot) for s in seqs for slot in s.swapped.slots))
+        wanted = list(dict.fromkeys((id(s.swapped.host), h) for s in seqs for h in s.swapped.host_blocks))
         if len(wanted) > self.pool.num_free:
             raise OutOfKVMemory(len(wanted), self.pool.num_free, "blocks")
         start = time.perf_counter()
         hosts = {id(s.swapped.host): s.swapped.host for s in seqs}
         placed: dict[tuple[int, int], Block] = {}
         for host_id, host in hosts.items():
-            slots = [slot for h, slot in wanted if h == host_id]
-            blocks = [self.pool.allocate() for _ in slots]
-            copy_from_host(self.kv, host, slots, [b.block_id for b in blocks])
-            placed.update(((host_id, slot), b) for slot, b in zip(slots, blocks, strict=True))
-            self._events.swap_in_bytes += len(slots) * host[:, :, 0].numel() * host.element_size()
+            host_blocks = [h for i, h in wanted if i == host_id]
+            blocks = [self.pool.allocate() for _ in host_blocks]
+            copy_from_host(self.kv, host, host_blocks, [b.block_id for b in blocks])
+            placed.update(((host_id, h), b) for h, b in zip(host_blocks, blocks, strict=True))
+            self._events.swap_in_bytes += len(host_blocks) * host[:, :, 0].numel() * host.element_size()
         taken: set[int] = set()
         for s in seqs:
-            blocks = [placed[(id(s.swapped.host), slot)] for slot in s.swapped.slots]
+            blocks = [placed[(id(s.swapped.host), h)] for h in s.swapped.host_blocks]
             for b in blocks:
                 if b.block_id in taken:
                     self.pool.take(b)
@@ -300,7 +300,7 @@ class PagedKVCache(KVCache[PagedPlan]):
     def prepare(self, batch: StepBatch) -> PagedPlan:
         """Host work is O(batch) plus O(tokens written): tables come as kept rows."""
         bs = self.block_size
-        tables, rows, slots, seen = [], [], [], set()
+        tables, rows, write_rows, seen = [], [], [], set()
         for s in batch.steps:
             seq = self._running(s.seq_id)
             if s.seq_id in seen:
@@ -321,9 +321,9 @@ class PagedKVCache(KVCache[PagedPlan]):
                     )
             tables.append(table)
             rows.append(self._rows[s.seq_id])
-            slots.extend(table[p // bs] * bs + p % bs for p in range(s.num_cached, s.context_len))
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        return self.attention.plan(batch, tables, slot_mapping, rows)
+            write_rows.extend(table[p // bs] * bs + p % bs for p in range(s.num_cached, s.context_len))
+        write = torch.tensor(write_rows, dtype=torch.int64, device=self.device)
+        return self.attention.plan(batch, tables, write, rows)
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PagedPlan, scale: float
@@ -332,9 +332,9 @@ class PagedKVCache(KVCache[PagedPlan]):
             raise IndexError(f"layer {layer} out of range for {self.shape.num_layers} layers")
         if q.dtype != self.shape.dtype:
             raise ValueError(f"q is {q.dtype} but the cache holds {self.shape.dtype}")
-        k_slots, v_slots = self._slots[layer]
-        k_slots.index_copy_(0, plan.slot_mapping, k)
-        v_slots.index_copy_(0, plan.slot_mapping, v)
+        k_rows, v_rows = self._token_rows[layer]
+        k_rows.index_copy_(0, plan.write_rows, k)
+        v_rows.index_copy_(0, plan.write_rows, v)
         k_blocks, v_blocks = self._blocks[layer]
         return self.attention.forward(q, k, v, k_blocks, v_blocks, plan, scale)
 
@@ -352,7 +352,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         self._seqs.clear()
         self._rows.clear()
         self.kv = torch.empty(0, dtype=self.shape.dtype, device=self.device)
-        self._blocks, self._slots = [], []
+        self._blocks, self._token_rows = [], []
 
     # -------------------------------------------------------------- helpers
     def _blocks_for(self, num_tokens: int) -> int:

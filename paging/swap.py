@@ -17,7 +17,7 @@ class SwappedBlocks:
     lives as long as one of them does."""
 
     host: torch.Tensor  # [num_layers, 2, n, block_size, kv_heads, head_dim]: the group's distinct blocks
-    slots: list[int]  # the sequence's logical block i is host[:, :, slots[i]]
+    host_blocks: list[int]  # the sequence's logical block i is host[:, :, host_blocks[i]]
 
 
 def copy_to_host(kv: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
@@ -30,9 +30,11 @@ def copy_to_host(kv: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     return host
 
 
-def copy_from_host(kv: torch.Tensor, host: torch.Tensor, host_slots: list[int], block_ids: list[int]) -> None:
-    """Write host blocks host_slots into the pool's blocks block_ids, in every layer."""
-    picked = host[:, :, host_slots].to(kv.device)
+def copy_from_host(
+    kv: torch.Tensor, host: torch.Tensor, host_blocks: list[int], block_ids: list[int]
+) -> None:
+    """Write host blocks host_blocks into the pool's blocks block_ids, in every layer."""
+    picked = host[:, :, host_blocks].to(kv.device)
     kv.index_copy_(2, torch.tensor(block_ids, device=kv.device), picked)
     if kv.device.type == "cuda":
         torch.cuda.synchronize(kv.device)
