@@ -48,9 +48,9 @@ def make_cache(kind: str, max_len: int, tokens: int) -> KVCache:
         cache.kv.normal_()
         random.Random(0).shuffle(cache.pool.plain_free)  # blocks scattered as after a long run
         return cache
-    layout = "token" if "token" in kind else "head"
+    order = "token" if "token" in kind else "head"
     attention = "sdpa" if "sdpa" in kind else "cpu_kernel"
-    return VAttentionKVCache(SHAPE, max_len, budget, layout=layout, attention=attention)
+    return VAttentionKVCache(SHAPE, max_len, budget, order=order, attention=attention)
 
 
 def admit_all(cache: KVCache, lens: list[int], num_new: int) -> StepBatch:

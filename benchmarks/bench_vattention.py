@@ -3,7 +3,7 @@
     python benchmarks/bench_vattention.py [--quick]
 
 1. decode attention time per layer against context length and batch, for the token- and
-   head-major layouts, the contiguous baseline and per-sequence calls (no batching);
+   head-major orders, the contiguous baseline and per-sequence calls (no batching);
 2. map overhead per step in an engine-like decode loop (SmolLM2-135M shapes, sequences
    finishing and arriving), background mapper and deferred reclamation on and off;
 3. page size 64 KiB vs 2 MiB and token- vs head-major in the same loop;
@@ -73,13 +73,13 @@ def decode_cache(kind: str, batch: int, context: int) -> KVCache:
     if kind == "contiguous":
         cache = ContiguousKVCache(shape, max_len, budget)
     else:
-        layout = "token" if kind == "token-major" else "head"
+        order = "token" if kind == "token-major" else "head"
         padding = 0.0 if kind == "per-sequence" else 1.5
         cache = VAttentionKVCache(
             shape,
             max_len,
             budget,
-            layout=layout,
+            order=order,
             max_padding=padding,
             background_mapping=False,
             max_slots=batch,
@@ -185,7 +185,7 @@ def loop_runs(configs: dict[str, dict], num_seqs: int, steps: int, rounds: int) 
                 options.get("page_size", 64 * KIB)
                 * 2
                 * SMOL.num_layers
-                * (SMOL.num_kv_heads if options.get("layout") == "head" else 1)
+                * (SMOL.num_kv_heads if options.get("order") == "head" else 1)
             )
             budget = max(int(num_seqs * 400 * SMOL.bytes_per_token * 1.6), int(num_seqs * 1.25 * page_set))
             cache = VAttentionKVCache(SMOL, 1024, budget, max_slots=2 * num_seqs, **options)
@@ -238,7 +238,7 @@ def bench_vmas(num_seqs: int, length: int) -> str:
     with open("/proc/sys/vm/max_map_count") as f:
         limit = int(f.read())
     rows = []
-    for layout in ("token", "head"):
+    for order in ("token", "head"):
         budget = num_seqs * (length + 1024) * SMOL.bytes_per_token
         cache = VAttentionKVCache(
             SMOL,
@@ -247,7 +247,7 @@ def bench_vmas(num_seqs: int, length: int) -> str:
             max_slots=num_seqs,
             background_mapping=False,
             populate=False,
-            layout=layout,
+            order=order,
         )
         try:
             for i in range(num_seqs):
@@ -257,7 +257,7 @@ def bench_vmas(num_seqs: int, length: int) -> str:
                     cache.grow(i, [0])
             rows.append(
                 [
-                    f"{layout}-major",
+                    f"{order}-major",
                     f"{num_seqs} x {length}",
                     int(cache.stats().pages_mapped),
                     num_seqs * cache.geometry.units,
@@ -269,7 +269,7 @@ def bench_vmas(num_seqs: int, length: int) -> str:
             cache.close()
     return table(
         [
-            "layout",
+            "order",
             "sequences x tokens",
             "pages mapped",
             "columns (slots x tensors x columns)",
@@ -312,7 +312,7 @@ def main() -> None:
     print("## Decode attention per layer (ms, median)\n")
     print(bench_attention(contexts, batches, rounds), "\n")
     print(f"## Map overhead per step ({seqs} sequences, 30 layers, 64 KiB pages, token-major)\n")
-    token = {"layout": "token"}  # 170 tokens per page: decodes cross pages often enough to matter
+    token = {"order": "token"}  # 170 tokens per page: decodes cross pages often enough to matter
     optim = {
         "mapper + deferred": token,
         "mapper only": {**token, "deferred_reclamation": False},
@@ -321,13 +321,13 @@ def main() -> None:
     }
     print(loop_table(loop_runs(optim, seqs, steps, loop_rounds)))
     print("\n\\* after the first step, whose prompts nothing could map ahead.\n")
-    print("## Page size and layout (mapper + deferred reclamation, pages faulted on first touch)\n")
+    print("## Page size and order (mapper + deferred reclamation, pages faulted on first touch)\n")
     lazy = {"populate": False}  # 2 MiB pages pre-faulted would take GiBs for a few sequences
     pages = {
-        "64 KiB token-major": {**lazy, "layout": "token"},
-        "64 KiB head-major": {**lazy, "layout": "head"},
-        "2 MiB token-major": {**lazy, "page_size": 2 * MIB, "layout": "token"},
-        "2 MiB head-major": {**lazy, "page_size": 2 * MIB, "layout": "head"},
+        "64 KiB token-major": {**lazy, "order": "token"},
+        "64 KiB head-major": {**lazy, "order": "head"},
+        "2 MiB token-major": {**lazy, "page_size": 2 * MIB, "order": "token"},
+        "2 MiB head-major": {**lazy, "page_size": 2 * MIB, "order": "head"},
     }
     print(loop_table(loop_runs(pages, seqs, steps, loop_rounds)), "\n")
     print("## Mappings in a large configuration (64 KiB pages)\n")

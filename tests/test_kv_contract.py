@@ -49,10 +49,10 @@ def build(layout: str, option: int) -> KVCache:
         variants = [
             {"deferred_reclamation": False, "eager_steps": 0, "group_pad_pages": 0},
             {"deferred_reclamation": True, "eager_steps": 40, "group_pad_pages": 1},
-            {"deferred_reclamation": True, "eager_steps": 0, "layout": "head"},
+            {"deferred_reclamation": True, "eager_steps": 0, "order": "head"},
         ]
-        options = {"layout": "token", "background_mapping": False} | variants[option]
-        units = 2 * SHAPE.num_layers * (SHAPE.num_kv_heads if options["layout"] == "head" else 1)
+        options = {"order": "token", "background_mapping": False} | variants[option]
+        units = 2 * SHAPE.num_layers * (SHAPE.num_kv_heads if options["order"] == "head" else 1)
         return VAttentionKVCache(SHAPE, MAX_LEN, 7 * units * PAGE, page_size=PAGE, **options)
     if layout == "paged":
         budget = 20 * 8 * SHAPE.bytes_per_token

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_cache(num_sets: int = 16, **options: object) -> VAttentionKVCache:
-    layout = options.setdefault("layout", "token")
-    units = 2 * SHAPE.num_layers * (1 if layout == "token" else SHAPE.num_kv_heads)
+    order = options.setdefault("order", "token")
+    units = 2 * SHAPE.num_layers * (1 if order == "token" else SHAPE.num_kv_heads)
     return VAttentionKVCache(SHAPE, MAX_LEN, num_sets * units * PAGE, page_size=PAGE, **options)
 
 
@@ -83,9 +83,9 @@ def check_invariants(cache: VAttentionKVCache, strict: bool) -> None:
 
 
 # ---------------------------------------------------------------- accounting
-@pytest.mark.parametrize("layout", ["token", "head"])
-def test_admit_grow_free_keep_page_accounting_exact(layout: str) -> None:
-    cache = make_cache(layout=layout, **STRICT)
+@pytest.mark.parametrize("order", ["token", "head"])
+def test_admit_grow_free_keep_page_accounting_exact(order: str) -> None:
+    cache = make_cache(order=order, **STRICT)
     geo = cache.geometry
     cache.admit(1, [0] * 10)
     cache.admit(2, [0] * 32)
@@ -112,7 +112,7 @@ def test_admit_grow_free_keep_page_accounting_exact(layout: str) -> None:
 def test_token_major_pages_end_mid_token() -> None:
     """384 B tokens (SmolLM2): a 64 KiB page holds 170.67 tokens; token 170 straddles pages 0 and 1."""
     shape = KVShape(num_layers=1, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
-    cache = VAttentionKVCache(shape, 1024, 8 << 20, background_mapping=False, layout="token")
+    cache = VAttentionKVCache(shape, 1024, 8 << 20, background_mapping=False, order="token")
     geo = cache.geometry
     assert geo.column_token_bytes == 384 and geo.tokens_backed(1) == 170
     assert geo.pages_for(170) == 1 and geo.pages_for(171) == 2
@@ -125,8 +125,8 @@ def test_auto_layout_is_head_major_for_small_pages_and_token_major_for_2_mib() -
     shape = KVShape(num_layers=1, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
     small = VAttentionKVCache(shape, 1024, 8 << 20, background_mapping=False)
     large = VAttentionKVCache(shape, 8192, 8 << 20, page_size=2 << 20, background_mapping=False)
-    assert small.geometry.layout == "head" and small.geometry.tokens_backed(1) == 512
-    assert large.geometry.layout == "token" and large.geometry.tokens_backed(1) == 5461
+    assert small.geometry.order == "head" and small.geometry.tokens_backed(1) == 512
+    assert large.geometry.order == "token" and large.geometry.tokens_backed(1) == 5461
     small.close()
     large.close()
 
@@ -321,9 +321,9 @@ def test_background_mapper_never_races_free_under_stress() -> None:
 
 
 # -------------------------------------------------------------- fork, swap
-@pytest.mark.parametrize("layout", ["token", "head"])
-def test_fork_shares_full_pages_and_copies_the_partial_one(layout: str) -> None:
-    cache = make_cache(layout=layout, **STRICT)
+@pytest.mark.parametrize("order", ["token", "head"])
+def test_fork_shares_full_pages_and_copies_the_partial_one(order: str) -> None:
+    cache = make_cache(order=order, **STRICT)
     geo = cache.geometry
     full = geo.tokens_backed(2)  # two full pages
     cache.admit(1, [0] * (full + 5))
@@ -414,8 +414,8 @@ def test_wrong_calls_raise_precise_errors() -> None:
         cache.attend(0, torch.zeros(10, 4, 16), kv.double(), kv.double(), plan, 1.0)
     with pytest.raises(TypeError, match="plan"):
         cache.attend(0, torch.zeros(10, 4, 16), kv, kv, object(), 1.0)
-    with pytest.raises(ValueError, match="layout"):
-        make_cache(layout="diagonal")
+    with pytest.raises(ValueError, match="order"):
+        make_cache(order="diagonal")
     with pytest.raises(TypeError):
         make_cache(no_such_option=True)
     with pytest.raises(ValueError, match="no memory driver"):
@@ -429,7 +429,7 @@ def test_wrong_calls_raise_precise_errors() -> None:
 
 def test_runs_over_a_given_driver_and_returns_its_pages() -> None:
     driver = HostDriver(num_pages=64, page_size=PAGE)
-    config = VAttentionConfig(background_mapping=False, layout="token")
+    config = VAttentionConfig(background_mapping=False, order="token")
     cache = VAttentionKVCache(SHAPE, MAX_LEN, driver=driver, config=config)
     assert driver.free_page_count == 0 and cache.pool.num_sets == 16
     cache.admit(1, [0] * 50)
@@ -472,17 +472,17 @@ class Lifecycle(RuleBasedStateMachine):
         self.strict = False
 
     @initialize(
-        layout=st.sampled_from(["token", "head"]),
+        order=st.sampled_from(["token", "head"]),
         deferred=st.booleans(),
         mapper=st.booleans(),
         eager=st.sampled_from([0, 0, 5, 40]),
         pad=st.sampled_from([0, 1]),
     )
-    def start(self, layout: str, deferred: bool, mapper: bool, eager: int, pad: int) -> None:
+    def start(self, order: str, deferred: bool, mapper: bool, eager: int, pad: int) -> None:
         self.strict = not (deferred or mapper or eager or pad)
         self.cache = make_cache(
             num_sets=8,
-            layout=layout,
+            order=order,
             deferred_reclamation=deferred,
             background_mapping=mapper,
             eager_steps=eager,

@@ -35,13 +35,13 @@ def make_cache(kind: str, dtype: torch.dtype) -> KVCache:
     budget = 16 * MAX_LEN * shape.bytes_per_token
     if kind == "contiguous":
         return ContiguousKVCache(shape, MAX_LEN, budget)
-    layout, _, extra = kind.partition("-")
+    order, _, extra = kind.partition("-")
     return VAttentionKVCache(
         shape,
         MAX_LEN,
         4 * budget,
         page_size=4096,
-        layout=layout.removeprefix("va_"),
+        order=order.removeprefix("va_"),
         combined_reservation=extra == "combined",
         background_mapping=extra != "sync",
         attention="sdpa" if extra == "sdpa" else "auto",
@@ -175,13 +175,13 @@ def test_decode_group_reads_only_mapped_memory(pad: int) -> None:
     cache.close()
 
 
-@pytest.mark.parametrize("layout", ["token", "head"])
-def test_kernel_decodes_every_slot_in_one_call_without_padding_pages(layout: str) -> None:
+@pytest.mark.parametrize("order", ["token", "head"])
+def test_kernel_decodes_every_slot_in_one_call_without_padding_pages(order: str) -> None:
     """The kernel reads each slot only up to its own length: one call for all decodes, any
     slot order or length spread, and no surplus pages mapped for grouping."""
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     cache = VAttentionKVCache(
-        shape, MAX_LEN, 1 << 20, page_size=4096, background_mapping=False, layout=layout
+        shape, MAX_LEN, 1 << 20, page_size=4096, background_mapping=False, order=order
     )
     if cache._kernels is None or load_decode_kernel(torch.float32, NUM_Q_HEADS // 2, 16) is None:
         pytest.skip("no C compiler here")

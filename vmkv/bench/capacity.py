@@ -24,7 +24,7 @@ from vmkv.contiguous import ContiguousKVCache
 from vmkv.kv_cache import KVCache, KVShape, OutOfKVMemory
 from vmkv.paging import PagedKVCache
 from vmkv.vattention import VAttentionKVCache
-from vmkv.vattention.geometry import LAYOUTS
+from vmkv.vattention.geometry import ORDERS
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -98,12 +98,12 @@ def layouts(
     max_slots: int,
     block_size: int = 16,
     page_sizes: Sequence[int] = (64 * KIB, 2 * MIB),
-    vattention_layouts: Sequence[str] = LAYOUTS,
+    vattention_orders: Sequence[str] = ORDERS,
 ) -> dict[str, Callable[[], KVCache]]:
     """Builders of every cache the comparison fills, each over the same budget.
 
     vattention gets max_slots slots: slots are only address space, so memory alone limits it.
-    Its token-major layout rounds each K/V tensor of a layer up to a page; head-major rounds
+    Its token-major order rounds each K/V tensor of a layer up to a page; head-major rounds
     each KV head's column up to a page, so it wastes up to Hkv times more.
     """
     shape, max_len, budget = scenario.shape, scenario.max_len, scenario.budget_bytes
@@ -114,14 +114,14 @@ def layouts(
         ),
     }
     for page in page_sizes:
-        for layout in vattention_layouts:
-            builders[f"vattention ({format_bytes(page)} pages, {layout}-major)"] = (
-                lambda page=page, layout=layout: VAttentionKVCache(
+        for order in vattention_orders:
+            builders[f"vattention ({format_bytes(page)} pages, {order}-major)"] = (
+                lambda page=page, order=order: VAttentionKVCache(
                     shape,
                     max_len,
                     budget,
                     page_size=page,
-                    layout=layout,
+                    order=order,
                     max_slots=max_slots,
                     background_mapping=False,
                 )
@@ -133,7 +133,7 @@ def measure_capacity(
     scenario: CapacityScenario,
     block_size: int = 16,
     page_sizes: Sequence[int] = (64 * KIB, 2 * MIB),
-    vattention_layouts: Sequence[str] = LAYOUTS,
+    vattention_orders: Sequence[str] = ORDERS,
 ) -> list[CapacityResult]:
     """Fill every layout; the first result is contiguous, the reference of the ratios.
 
@@ -143,7 +143,7 @@ def measure_capacity(
     shortest = scenario.prompt_len + scenario.answer_range[0]
     lengths = scenario.lengths(scenario.budget_bytes // (shortest * scenario.shape.bytes_per_token) + 2)
     results = []
-    for name, build in layouts(scenario, len(lengths), block_size, page_sizes, vattention_layouts).items():
+    for name, build in layouts(scenario, len(lengths), block_size, page_sizes, vattention_orders).items():
         try:
             cache = build()
         except ValueError:  # the budget holds not even one allocation unit of this layout

@@ -1,5 +1,5 @@
 """Construction from a budget: how many page sets a byte budget or a driver holds, the page
-size and layout that follow, and the driver to build when none is given."""
+size and order that follow, and the driver to build when none is given."""
 
 from __future__ import annotations
 
@@ -48,10 +48,10 @@ def size_cache(
         page_size = CUDA_PAGE_SIZE
     else:
         page_size = cfg.page_size
-    layout = cfg.layout
-    if layout == "auto":  # measured in docs/vattention.md
-        layout = "head" if page_size <= AUTO_HEAD_MAJOR_MAX_PAGE else "token"
-    probe = SlotGeometry(shape, max_len, cfg.max_slots or 1, page_size, layout)  # validates
+    order = cfg.order
+    if order == "auto":  # measured in docs/vattention.md
+        order = "head" if page_size <= AUTO_HEAD_MAJOR_MAX_PAGE else "token"
+    probe = SlotGeometry(shape, max_len, cfg.max_slots or 1, page_size, order)  # validates
     budget_pages = driver.free_page_count if driver is not None else kv_budget_bytes // page_size
     if kv_budget_bytes is not None:
         budget_pages = min(budget_pages, kv_budget_bytes // page_size)

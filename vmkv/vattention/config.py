@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from vmkv.dense.plan import DEFAULT_MAX_PADDING
 from vmkv.drivers import DEFAULT_PAGE_SIZE
 
-# "auto" layout: head-major up to this page size. Its decode attention is ~25-30% faster on
+# "auto" order: head-major up to this page size. Its decode attention is ~25-30% faster on
 # CPU SDPA, but a sequence grows by one page per KV head at a time, so with 2 MiB (CUDA)
 # pages one step of growth would hold 16k tokens; token-major keeps that at 5.4k.
 AUTO_HEAD_MAJOR_MAX_PAGE = 64 * 1024
@@ -18,7 +18,7 @@ ATTENTION_PATHS = ("auto", "cpu_kernel", "sdpa")
 @dataclass(frozen=True)
 class VAttentionConfig:
     page_size: int = DEFAULT_PAGE_SIZE
-    layout: str = "auto"  # "token" [slot, len, Hkv, D], "head" [slot, Hkv, len, D], or "auto" (see below)
+    order: str = "auto"  # "token" [slot, len, Hkv, D], "head" [slot, Hkv, len, D], or "auto" (see below)
     max_slots: int | None = None  # default: min(page sets, 256)
     combined_reservation: bool = False  # one reservation for every K/V tensor
     background_mapping: bool = True

@@ -1,4 +1,4 @@
-"""Where every byte of the virtual KV tensors lives, for both layouts.
+"""Where every byte of the virtual KV tensors lives, for both orders.
 
 A slot is one sequence's region in each K or V tensor. It is split into columns, each
 rounded up to whole pages so no page ever holds two slots' (or two columns') data:
@@ -19,7 +19,7 @@ import torch
 
 from vmkv.kv_cache import KVShape
 
-LAYOUTS = ("token", "head")
+ORDERS = ("token", "head")
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,11 @@ class SlotGeometry:
     max_len: int
     max_slots: int
     page_size: int
-    layout: str
+    order: str
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         if self.max_len < 1 or self.max_slots < 1:
             raise ValueError(f"max_len and max_slots must be >= 1, got {self.max_len} and {self.max_slots}")
         if self.page_size % self.itemsize:
@@ -50,7 +50,7 @@ class SlotGeometry:
     @cached_property
     def columns(self) -> int:
         """Page-aligned regions per slot per tensor."""
-        return 1 if self.layout == "token" else self.shape.num_kv_heads
+        return 1 if self.order == "token" else self.shape.num_kv_heads
 
     @cached_property
     def units(self) -> int:
@@ -97,10 +97,10 @@ class SlotGeometry:
         return slot * self.slot_bytes + column * self.column_bytes + page * self.page_size
 
     def as_tensor(self, flat: torch.Tensor) -> torch.Tensor:
-        """The tensor's [slots, max_len, Hkv, D] view (any layout) over its flat dtype view."""
+        """The tensor's [slots, max_len, Hkv, D] view (any order) over its flat dtype view."""
         h, d = self.shape.num_kv_heads, self.shape.head_dim
         slot_stride = self.slot_bytes // self.itemsize
-        if self.layout == "token":
+        if self.order == "token":
             strides = (slot_stride, h * d, d, 1)
         else:
             strides = (slot_stride, d, self.column_bytes // self.itemsize, 1)
