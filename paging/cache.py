@@ -59,7 +59,7 @@ class PagedEvents:
 
 
 class PagedKVCache(KVCache[PagedPlan]):
-    kind = "paged"
+    kv_mode = "paged"
 
     def __init__(
         self,

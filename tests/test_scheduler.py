@@ -17,7 +17,7 @@ from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, St
 class TokenCache(KVCache):
     """Holds up to `capacity` tokens in total; records every lifecycle call."""
 
-    kind = "tokens"
+    kv_mode = "tokens"
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

@@ -42,7 +42,7 @@ class _Seq:
 class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
     """Static max_len reservation per sequence; fork and swap copy whole contexts."""
 
-    kind = "contiguous"
+    kv_mode = "contiguous"
 
     def __init__(
         self,

@@ -202,7 +202,7 @@ class KVCache(ABC, Generic[Plan]):
     finish_step() consumes once the forward pass has written every layer.
     """
 
-    kind: str
+    kv_mode: str  # the layout, as EngineConfig.kv_mode names it
     shape: KVShape
     max_len: int
     device: torch.device

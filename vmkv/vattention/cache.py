@@ -49,7 +49,7 @@ def _minor_faults() -> int:
 
 
 class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
-    kind = "vattention"
+    kv_mode = "vattention"
 
     def __init__(
         self,
