@@ -99,7 +99,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         # the same memory as [token rows, kv_heads, head_dim]: one index_copy_ writes a step's tokens
         self._token_rows = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self._blocks]
         self.attention = self._attention_path(attention)
-        self._seqs: dict[int, PagedSequence] = {}
+        self.seqs: dict[int, PagedSequence] = {}  # by id; read them, change them only through the contract
         # every running sequence's block table as an int32 tensor of max_len's blocks, updated
         # where the table changes, so prepare() stacks rows instead of converting lists
         self._rows: dict[int, torch.Tensor] = {}
@@ -130,7 +130,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         return num_tokens <= self.max_len and self._blocks_for(num_tokens) <= self.pool.num_free
 
     def admit(self, seq_id: int, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        if seq_id in self._seqs:
+        if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} is already admitted")
         seq = PagedSequence(seq_id, list(token_ids), (self.model_id, cache_salt))
         if not seq.token_ids:
@@ -169,7 +169,7 @@ class PagedKVCache(KVCache[PagedPlan]):
             c.prefix_cache_hits += seq.num_computed
             c.prefix_cache_query_blocks += len(seq.block_hashes)
             c.prefix_cache_hit_blocks += len(hits)
-        self._seqs[seq_id] = seq
+        self.seqs[seq_id] = seq
         return seq.num_computed
 
     def grow(self, seq_id: int, token_ids: Sequence[int]) -> None:
@@ -203,15 +203,15 @@ class PagedKVCache(KVCache[PagedPlan]):
 
     def fork(self, parent_id: int, child_id: int) -> None:
         parent = self._running(parent_id)
-        if child_id in self._seqs:
+        if child_id in self.seqs:
             raise ValueError(f"sequence {child_id} already exists")
         for b in parent.block_table:
             self.pool.take(self.pool.blocks[b])
-        self._seqs[child_id] = parent.copy(child_id)
+        self.seqs[child_id] = parent.copy(child_id)
         self._rows[child_id] = self._rows[parent_id].clone()
 
     def free(self, seq_id: int) -> None:
-        seq = self._seqs.pop(seq_id, None)
+        seq = self.seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id}")
         self._rows.pop(seq_id, None)
@@ -227,7 +227,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         in_use = self.pool.num_blocks - self.pool.num_free
         # every block in use is full except a sequence's last one (shared ones counted once)
         partial: dict[int, int] = {}
-        for seq in self._seqs.values():
+        for seq in self.seqs.values():
             fill = seq.num_tokens % self.block_size
             if fill and seq.swapped is None:
                 last = seq.block_table[-1]
@@ -341,7 +341,7 @@ class PagedKVCache(KVCache[PagedPlan]):
     def finish_step(self, plan: PagedPlan) -> None:
         """Every layer wrote the step's KV: advance what is computed, cache full blocks."""
         for s in plan.batch.steps:
-            seq = self._seqs.get(s.seq_id)
+            seq = self.seqs.get(s.seq_id)
             if seq is None or seq.swapped is not None:
                 continue
             seq.num_computed = max(seq.num_computed, s.context_len)
@@ -349,7 +349,7 @@ class PagedKVCache(KVCache[PagedPlan]):
                 self._cache_computed_blocks(seq)
 
     def close(self) -> None:
-        self._seqs.clear()
+        self.seqs.clear()
         self._rows.clear()
         self.kv = torch.empty(0, dtype=self.shape.dtype, device=self.device)
         self._blocks, self._token_rows = [], []
@@ -373,7 +373,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         return needed, self.pool.num_free - sum(1 for b in hits if b.ref_count == 0)
 
     def _running(self, seq_id: int) -> PagedSequence:
-        seq = self._seqs.get(seq_id)
+        seq = self.seqs.get(seq_id)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id}")
         if seq.swapped is not None:
@@ -381,7 +381,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         return seq
 
     def _swapped(self, seq_id: int) -> PagedSequence:
-        seq = self._seqs.get(seq_id)
+        seq = self.seqs.get(seq_id)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id}")
         if seq.swapped is None:

@@ -32,7 +32,7 @@ def write(cache: ContiguousKVCache, steps: list[SeqStep], fill: dict[int, float]
 
 
 def kv_of(cache: ContiguousKVCache, seq_id: int, length: int) -> torch.Tensor:
-    return cache.kv[:, :, cache._seqs[seq_id].slot, :, :length].clone()  # [layers, 2, Hkv, length, D]
+    return cache.kv[:, :, cache.seqs[seq_id].slot, :, :length].clone()  # [layers, 2, Hkv, length, D]
 
 
 def test_every_sequence_reserves_max_len_up_front() -> None:
@@ -59,7 +59,7 @@ def test_out_of_slots_raises_and_cache_stays_usable() -> None:
     assert not cache.can_admit(1)
     with pytest.raises(OutOfKVMemory) as err:
         cache.admit(3, [0])
-    assert err.value.unit == "slots" and 3 not in cache._seqs
+    assert err.value.unit == "slots" and 3 not in cache.seqs
     with pytest.raises(OutOfKVMemory):
         cache.fork(1, 3)
     cache.free(1)

@@ -45,7 +45,7 @@ def make_cache(
 
 def stored_kv(cache: PagedKVCache, seq_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What the pool holds for a sequence's tokens, read through its block table: [n, Hkv, D] each."""
-    seq = cache._seqs[seq_id]
+    seq = cache.seqs[seq_id]
     blocks = cache.kv[layer, :, seq.block_table].flatten(1, 2)[:, : seq.num_tokens]
     return blocks[0], blocks[1]
 
@@ -179,7 +179,7 @@ def test_decode_across_block_boundaries(attention: str) -> None:
         lengths = {i: n + 1 for i, n in lengths.items()}
     for seq_id, n in lengths.items():
         runner.assert_stored(seq_id)
-        assert len(cache._seqs[seq_id].block_table) == -(-n // 4)
+        assert len(cache.seqs[seq_id].block_table) == -(-n // 4)
 
 
 def test_paths_agree_on_the_same_step() -> None:
@@ -191,7 +191,7 @@ def test_paths_agree_on_the_same_step() -> None:
         run_random_batch(runner, "mixed", seed=5)
         for seq_id in range(6):
             cache.grow(seq_id, [9])
-        steps = [SeqStep(i, cache._seqs[i].num_tokens - 1, 1) for i in range(6)]
+        steps = [SeqStep(i, cache.seqs[i].num_tokens - 1, 1) for i in range(6)]
         outputs.append([out for out, _ in runner.step(steps)])
     for other in outputs[1:]:
         for a, b in zip(outputs[0], other, strict=True):
@@ -236,7 +236,7 @@ def test_kept_table_rows_follow_every_table_change() -> None:
     cache.grow(0, [8] * 3)  # the parent grows into a new block
     cache.swap_out([0])
     cache.swap_in([0])
-    for seq_id, seq in cache._seqs.items():
+    for seq_id, seq in cache.seqs.items():
         assert cache._rows[seq_id][: len(seq.block_table)].tolist() == seq.block_table
     cache.free(1)
     assert 1 not in cache._rows

@@ -12,21 +12,21 @@ from vmkv.kv_cache import KVShape, OutOfKVMemory, SeqStep, SequenceTooLong, Step
 
 
 def refcounts(cache: PagedKVCache, seq_id: int) -> list[int]:
-    return [cache.pool.blocks[b].ref_count for b in cache._seqs[seq_id].block_table]
+    return [cache.pool.blocks[b].ref_count for b in cache.seqs[seq_id].block_table]
 
 
 def test_prefill_takes_ceil_blocks_and_decode_one_block_when_the_last_is_full() -> None:
     cache = make_cache(block_size=4)
     cache.admit(0, list(range(9)))
-    assert len(cache._seqs[0].block_table) == 3
+    assert len(cache.seqs[0].block_table) == 3
     counts = []
     for _ in range(8):
         cache.grow(0, [1])
-        counts.append(len(cache._seqs[0].block_table))
+        counts.append(len(cache.seqs[0].block_table))
     assert counts == [3, 3, 3, 4, 4, 4, 4, 5]  # 10, 11, 12 tokens fit in 3 blocks; 13 needs a 4th
     assert cache.stats().blocks_allocated == 5
     cache.grow(0, [1, 2, 3, 4, 5, 6])  # several tokens at once (a chunk): 23 tokens -> 6 blocks
-    assert len(cache._seqs[0].block_table) == 6
+    assert len(cache.seqs[0].block_table) == 6
 
 
 def test_fork_shares_every_block_and_copy_on_write_copies_only_the_written_one() -> None:
@@ -36,12 +36,12 @@ def test_fork_shares_every_block_and_copy_on_write_copies_only_the_written_one()
     runner.max_error([SeqStep(0, 0, 10)])
     in_use = cache.stats().units_in_use
     runner.fork(0, 1)
-    assert cache._seqs[1].block_table == cache._seqs[0].block_table
+    assert cache.seqs[1].block_table == cache.seqs[0].block_table
     assert refcounts(cache, 0) == [2, 2, 2]
     assert cache.stats().units_in_use == in_use  # nothing new
 
     cache.grow(1, [5])  # the child writes into the shared, partly filled last block: copied
-    child, parent = cache._seqs[1].block_table, cache._seqs[0].block_table
+    child, parent = cache.seqs[1].block_table, cache.seqs[0].block_table
     assert child[:2] == parent[:2] and child[2] != parent[2]
     assert refcounts(cache, 0) == [2, 2, 1] and refcounts(cache, 1) == [2, 2, 1]
     assert cache.stats().cow_copies == 1
@@ -90,15 +90,15 @@ def test_a_step_may_not_write_a_shared_block() -> None:
 def test_out_of_memory_is_raised_before_any_change_and_the_cache_stays_usable() -> None:
     cache = make_cache(block_size=4, num_blocks=6)
     cache.admit(0, list(range(16)))  # 4 blocks
-    before = (cache.pool.num_free, cache.stats(), list(cache._seqs[0].block_table))
+    before = (cache.pool.num_free, cache.stats(), list(cache.seqs[0].block_table))
     with pytest.raises(OutOfKVMemory) as e:
         cache.admit(1, list(range(100, 112)))  # 3 blocks, 2 free
     assert (e.value.needed, e.value.free, e.value.unit) == (3, 2, "blocks")
-    assert 1 not in cache._seqs
+    assert 1 not in cache.seqs
     with pytest.raises(OutOfKVMemory):
         cache.grow(0, list(range(9)))  # 25 tokens need 7 blocks
-    assert (cache.pool.num_free, cache.stats(), cache._seqs[0].block_table) == before
-    assert cache._seqs[0].num_tokens == 16
+    assert (cache.pool.num_free, cache.stats(), cache.seqs[0].block_table) == before
+    assert cache.seqs[0].num_tokens == 16
     assert not cache.can_admit(12) and cache.can_admit(8)
     cache.free(0)
     cache.admit(1, list(range(100, 112)))
@@ -216,10 +216,10 @@ def test_swap_in_without_room_raises_and_changes_nothing() -> None:
     cache.admit(1, list(range(100, 108)))  # 2 of 4 blocks; 0 needs 3 back
     with pytest.raises(OutOfKVMemory):
         cache.swap_in([0])
-    assert cache.pool.num_free == 2 and cache._seqs[0].swapped is not None
+    assert cache.pool.num_free == 2 and cache.seqs[0].swapped is not None
     cache.free(1)
     cache.swap_in([0])
-    assert len(cache._seqs[0].block_table) == 3
+    assert len(cache.seqs[0].block_table) == 3
 
 
 def test_members_of_a_group_swapped_in_separately_get_private_copies() -> None:
@@ -244,11 +244,11 @@ def test_freeing_a_swapped_out_sequence_drops_its_host_copy() -> None:
     cache.admit(0, list(range(8)))
     cache.swap_out([0])
     cache.free(0)
-    assert not cache._seqs and cache.pool.num_free == cache.pool.num_blocks
+    assert not cache.seqs and cache.pool.num_free == cache.pool.num_blocks
 
 
 def test_close_releases_the_pool() -> None:
     cache = make_cache()
     cache.admit(0, [1, 2])
     cache.close()
-    assert cache.kv.numel() == 0 and not cache._seqs
+    assert cache.kv.numel() == 0 and not cache.seqs

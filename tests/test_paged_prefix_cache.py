@@ -80,7 +80,7 @@ def test_hits_share_blocks_and_are_counted() -> None:
     prompt = list(range(20))  # 2 full blocks + 4 tokens
     model.run(0, prompt)
     assert model.run(1, prompt + [60, 61]) == 16
-    t0, t1 = cache._seqs[0].block_table, cache._seqs[1].block_table
+    t0, t1 = cache.seqs[0].block_table, cache.seqs[1].block_table
     assert t0[:2] == t1[:2] and t0[2] != t1[2]
     assert [cache.pool.blocks[b].ref_count for b in t1] == [2, 2, 1]
     c = cache.stats()
@@ -96,7 +96,7 @@ def test_whole_prompt_hit_recomputes_the_last_token_in_a_private_copy() -> None:
     model.run(0, prompt)
     before = [t.clone() for t in stored_kv(cache, 0, 1)]
     assert model.run(1, prompt) == 15
-    t0, t1 = cache._seqs[0].block_table, cache._seqs[1].block_table
+    t0, t1 = cache.seqs[0].block_table, cache.seqs[1].block_table
     assert t0[0] == t1[0] and t0[1] != t1[1]  # the last block is a copy: its last token is written again
     assert cache.stats().cow_copies == 1
     for a, b in zip(before, stored_kv(cache, 0, 1), strict=True):

@@ -61,7 +61,7 @@ class PagedLifecycle(RuleBasedStateMachine):
             [b.ref_count for b in pool.blocks],
             sorted(pool.plain_free),
             list(pool.cached_free),
-            {i: list(s.block_table) for i, s in self.cache._seqs.items()},
+            {i: list(s.block_table) for i, s in self.cache.seqs.items()},
         )
 
     def truth(self, seq_id: int, n: int) -> torch.Tensor:
@@ -174,7 +174,7 @@ class PagedLifecycle(RuleBasedStateMachine):
         pool = self.cache.pool
         held = [0] * pool.num_blocks
         for seq_id in self.running:
-            for b in self.cache._seqs[seq_id].block_table:
+            for b in self.cache.seqs[seq_id].block_table:
                 held[b] += 1
         assert [b.ref_count for b in pool.blocks] == held
         free = set(pool.plain_free) | set(pool.cached_free)
@@ -188,7 +188,7 @@ class PagedLifecycle(RuleBasedStateMachine):
     def every_running_sequence_holds_exactly_its_own_kv(self) -> None:
         for seq_id in self.running:
             n = len(self.tokens[seq_id])
-            seq = self.cache._seqs[seq_id]
+            seq = self.cache.seqs[seq_id]
             assert len(seq.block_table) == -(-n // BLOCK_SIZE) and seq.num_computed == n
             k, v = stored_kv(self.cache, seq_id, 0)
             assert torch.equal(torch.stack([k, v]), self.truth(seq_id, n))

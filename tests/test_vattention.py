@@ -44,7 +44,7 @@ def write(cache: VAttentionKVCache, steps: list[SeqStep], fill: dict[int, float]
 
 def stored(cache: VAttentionKVCache, seq_id: int, length: int) -> list[torch.Tensor]:
     """The K views of a sequence's first `length` tokens in every layer (copied out)."""
-    slot = cache.table.seqs[seq_id].slot
+    slot = cache.seqs[seq_id].slot
     return [view[slot, :length].clone() for view in cache.mapping.k + cache.mapping.v]
 
 
@@ -58,7 +58,7 @@ def check_invariants(cache: VAttentionKVCache, strict: bool) -> None:
                 holders[set_id] = holders.get(set_id, 0) + 1
             if slot.seq_id is None:
                 continue
-            seq = cache.table.seqs[slot.seq_id]
+            seq = cache.seqs[slot.seq_id]
             assert seq.slot == slot.index
             needed = geo.pages_for(seq.length)
             # every token the sequence may write is backed, in every column of every tensor
@@ -150,7 +150,7 @@ def test_pool_exhaustion_raises_before_any_change_and_cache_stays_usable(options
     assert err.value.unit == "pages" and err.value.needed == 2 * cache.geometry.units
     with pytest.raises(OutOfKVMemory):
         cache.grow(1, [0] * 5)
-    assert cache.table.seqs[1].length == 64 and 3 not in cache.table.seqs
+    assert cache.seqs[1].length == 64 and 3 not in cache.seqs
     assert not cache.can_admit(40)
     after = snapshot()
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0], strict=True))
@@ -180,7 +180,7 @@ def test_a_map_the_os_refuses_is_undone_and_reported_as_out_of_memory() -> None:
         cache.grow(1, [0] * 40)
     with pytest.raises(OutOfKVMemory):
         cache.admit(2, [0] * 5)
-    assert cache.table.seqs[1].length == 10 and 2 not in cache.table.seqs
+    assert cache.seqs[1].length == 10 and 2 not in cache.seqs
     check_invariants(cache, strict=True)
     cache.driver._raw_map = raw_map
     cache.grow(1, [0] * 40)
@@ -329,7 +329,7 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(order: str) -> None:
     cache.admit(1, [0] * (full + 5))
     write(cache, [SeqStep(1, 0, full + 5)], {1: 3.0})
     cache.fork(1, 2)
-    parent, child = cache.table.slots[cache.table.seqs[1].slot], cache.table.slots[cache.table.seqs[2].slot]
+    parent, child = cache.table.slots[cache.seqs[1].slot], cache.table.slots[cache.seqs[2].slot]
     assert child.sets[:2] == parent.sets[:2] and child.sets[2] != parent.sets[2]
     assert all(cache.driver.map_count(cache.pool.physical(s, 0)) == 2 for s in parent.sets[:2])
     assert all(
@@ -376,7 +376,7 @@ def test_swap_out_releases_pages_and_swap_in_restores_kv() -> None:
     cache.admit(2, [0] * 40)
     with pytest.raises(OutOfKVMemory):
         cache.swap_in([1])
-    assert cache.table.seqs[1].slot == -1
+    assert cache.seqs[1].slot == -1
     cache.free(2)
     cache.swap_in([1])
     assert all(torch.equal(a, b) for a, b in zip(before, stored(cache, 1, 100), strict=True))
@@ -447,7 +447,7 @@ def test_consecutive_sets_keep_a_slot_in_one_mapping_per_column() -> None:
         cache.grow(1, [0])
         cache.grow(2, [0])
     for sid in (1, 2):
-        sets = cache.table.slots[cache.table.seqs[sid].slot].sets
+        sets = cache.table.slots[cache.seqs[sid].slot].sets
         assert sets == list(range(sets[0], sets[0] + len(sets)))
     res, base = cache.mapping.placed[0]
     start, end = res.base + base, res.base + base + cache.geometry.tensor_bytes

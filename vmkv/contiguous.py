@@ -79,7 +79,7 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
             device=self.device,
         )
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot
-        self._seqs: dict[int, _Seq] = {}
+        self.seqs: dict[int, _Seq] = {}  # by id; read them, change them only through the contract
         self._events = CopyEvents()
         self._peak_slots = 0
 
@@ -88,12 +88,12 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
         return bool(self._free_slots) and 0 < num_tokens <= self.max_len
 
     def admit(self, seq_id: int, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        if seq_id in self._seqs:
+        if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} is already in the cache")
         if not token_ids:
             raise ValueError("cannot admit an empty prompt")
         self._check_len(len(token_ids))
-        self._seqs[seq_id] = _Seq(self._take_slot(), len(token_ids))
+        self.seqs[seq_id] = _Seq(self._take_slot(), len(token_ids))
         return 0
 
     def grow(self, seq_id: int, token_ids: Sequence[int]) -> None:
@@ -103,11 +103,11 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
 
     def fork(self, parent_id: int, child_id: int) -> None:
         parent = self._resident(parent_id)
-        if child_id in self._seqs:
+        if child_id in self.seqs:
             raise ValueError(f"sequence {child_id} is already in the cache")
         slot = self._take_slot()
         self.kv[:, :, slot, :, : parent.length] = self.kv[:, :, parent.slot, :, : parent.length]
-        self._seqs[child_id] = _Seq(slot, parent.length)
+        self.seqs[child_id] = _Seq(slot, parent.length)
         self._events.fork_copies += 1
         self._events.copied_bytes += parent.length * self.shape.bytes_per_token
 
@@ -115,18 +115,18 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
         seq = self._get(seq_id)
         if seq.slot >= 0:
             self._free_slots.append(seq.slot)
-        del self._seqs[seq_id]
+        del self.seqs[seq_id]
 
     def free_capacity(self) -> int:
         """Free slots' tokens plus what the resident sequences can still grow into."""
-        room = sum(self.max_len - s.length for s in self._seqs.values() if s.slot >= 0)
+        room = sum(self.max_len - s.length for s in self.seqs.values() if s.slot >= 0)
         return len(self._free_slots) * self.max_len + room
 
     def usage(self) -> float:
         return 1.0 - len(self._free_slots) / self.num_slots
 
     def memory(self) -> KVMemory:
-        resident = [s for s in self._seqs.values() if s.slot >= 0]
+        resident = [s for s in self.seqs.values() if s.slot >= 0]
         return KVMemory(
             reserved_bytes=self.num_slots * self.slot_bytes,
             allocated_bytes=len(resident) * self.slot_bytes,
@@ -191,7 +191,7 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
         """Nothing to record: a fork copies the parent's whole context."""
 
     def close(self) -> None:
-        self._seqs.clear()
+        self.seqs.clear()
 
     # -------------------------------------------------------------- helpers
     def _take_slot(self) -> int:

@@ -15,10 +15,10 @@ S = TypeVar("S", bound=_SlotSeq)
 
 
 class DenseSlotSequences(Generic[S]):
-    """Mixin for vattention and the contiguous baseline: both keep `_seqs` by id and `max_len`."""
+    """Mixin for vattention and the contiguous baseline: both keep `seqs` by id and `max_len`."""
 
     max_len: int
-    _seqs: dict[int, S]
+    seqs: dict[int, S]
 
     def _check_len(self, length: int) -> None:
         if length > self.max_len:
@@ -26,7 +26,7 @@ class DenseSlotSequences(Generic[S]):
 
     def _get(self, seq_id: int) -> S:
         try:
-            return self._seqs[seq_id]
+            return self.seqs[seq_id]
         except KeyError:
             raise KeyError(f"sequence {seq_id} is not in the cache") from None
 

@@ -82,7 +82,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         )
         self.pool = self.mapping.pool
         self.table = SlotTable(self.mapping, cfg)
-        self._seqs = self.table.seqs  # DenseSlotSequences looks sequences up here
+        self.seqs = self.table.seqs  # by id; read them, change them only through the contract
         self._ahead = MapAhead(self.table)
         self._use_flash = cfg.use_flash_attn and flash_usable(self.device, shape.dtype)
         self._kernels = decode_kernels(cfg.attention, self.device, shape, self._use_flash)
@@ -104,7 +104,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         self._check_len(len(token_ids))
         with self._lock:
             self._check_open()
-            if seq_id in self._seqs:
+            if seq_id in self.seqs:
                 raise ValueError(f"sequence {seq_id} is already in the cache")
             needed = self.geometry.pages_for(len(token_ids))
             slot = self.table.pick(needed)
@@ -115,7 +115,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             self.table.back(slot, needed, len(token_ids), self._mapper is None)  # a failed map leaves it idle
             self.mapping.events.page_sets_reused += reused
             self.table.assign(slot, seq_id)
-            self._seqs[seq_id] = SlotSeq(slot.index, len(token_ids))
+            self.seqs[seq_id] = SlotSeq(slot.index, len(token_ids))
         return 0
 
     def grow(self, seq_id: int, token_ids: Sequence[int]) -> None:
@@ -133,7 +133,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         """The child maps the parent's full written pages (shared, immutable) and copies the rest."""
         with self._lock:
             parent = self._resident(parent_id)
-            if child_id in self._seqs:
+            if child_id in self.seqs:
                 raise ValueError(f"sequence {child_id} is already in the cache")
             self.table.fork(parent, child_id)
 
@@ -144,14 +144,14 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
                 slot = self.table.slots[seq.slot]
                 shared = any(self.pool.refcount[s] > 1 for s in slot.sets)  # must never be rewritten
                 self.table.release(slot, keep_pages=self.config.deferred_reclamation and not shared)
-            del self._seqs[seq_id]
+            del self.seqs[seq_id]
 
     def free_capacity(self) -> int:
         geo = self.geometry
         with self._lock:
             room = sum(
                 geo.tokens_backed(len(self.table.slots[s.slot].sets)) - s.length
-                for s in self._seqs.values()
+                for s in self.seqs.values()
                 if s.slot >= 0
             )
             return self.table.available() * geo.page_size // geo.column_token_bytes + max(0, room)
@@ -165,7 +165,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         with self._lock:
             held = self.pool.num_sets - self.pool.free_count
             double = sum(r - 1 for r in self.pool.refcount if r > 1)
-            tokens = sum(s.length for s in self._seqs.values() if s.slot >= 0)
+            tokens = sum(s.length for s in self.seqs.values() if s.slot >= 0)
             return KVMemory(
                 reserved_bytes=geo.num_tensors * geo.tensor_bytes,
                 allocated_bytes=held * geo.page_set_bytes,
@@ -258,7 +258,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         """Every layer wrote the step's tokens: from now on a fork may share their full pages."""
         with self._lock:
             for s in plan.batch.steps:
-                seq = self._seqs.get(s.seq_id)
+                seq = self.seqs.get(s.seq_id)
                 if seq is not None and seq.slot >= 0:
                     seq.written = max(seq.written, s.context_len)
 
