@@ -287,6 +287,10 @@ def test_bad_structured_outputs_are_400s_naming_the_field(
         ({"allowed_token_ids": [5]}, "allowed_token_ids"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
         ({"logit_bias": {"100000": 1.0}}, "logit_bias"),
         ({"logit_bias": {"5": 101.0}}, "logit_bias"),
         ({"logit_bias": {"five": 1.0}}, "logit_bias"),
@@ -317,6 +321,11 @@ def test_completion_parameters_not_honoured_are_400s(
         ({"echo": True}, "echo"),
         ({"continue_final_message": True}, "continue_final_message"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
     ],
 )
 def test_chat_parameters_not_honoured_are_400s(client: openai.OpenAI, extra: dict, param: str) -> None:
@@ -330,6 +339,22 @@ def test_chat_parameters_not_honoured_are_400s(client: openai.OpenAI, extra: dic
 def test_accepted_no_op_fields_change_nothing(client: openai.OpenAI) -> None:
     plain = complete(client).choices[0].text
     assert complete(client, user="someone", best_of=1).choices[0].text == plain
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "temperature": 0.0,
+    }
+    bare = client.chat.completions.create(**chat).choices[0].message.content
+    tagged = client.chat.completions.create(
+        **chat,
+        user="someone",
+        store=False,
+        metadata={"k": "v"},
+        parallel_tool_calls=False,
+        modalities=["text"],
+    )
+    assert tagged.choices[0].message.content == bare
     tools_off = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "hi"}],

@@ -67,6 +67,7 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's; refused when true
 
 
 class JsonSchemaFormat(OpenAIModel):
@@ -206,6 +207,11 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     echo: StrictBool = False
     continue_final_message: StrictBool = False
+    audio: Any = None
+    prediction: Any = None
+    modalities: list[Text] | None = None
+    web_search_options: Any = None
+    reasoning_effort: Text | None = None
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

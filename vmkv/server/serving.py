@@ -574,6 +574,11 @@ def sampling_refusals(body: SamplingFields) -> list[Refusal]:
         ("logits_processors", bool(body.logits_processors), "custom logits processors cannot be loaded"),
         ("truncate_prompt_tokens", body.truncate_prompt_tokens is not None, "prompts are never truncated"),
         ("include_stop_str_in_output", body.include_stop_str_in_output, "stop strings are always cut"),
+        (
+            "stream_options.continuous_usage_stats",
+            body.stream_options is not None and body.stream_options.continuous_usage_stats,
+            "usage comes in the final chunk (include_usage)",
+        ),
     ]
 
 
@@ -598,6 +603,11 @@ def chat_refusals(body: ChatCompletionRequest) -> list[Refusal]:
         ("function_call", body.function_call not in no_tool, "this server has no tool-call parser"),
         ("echo", body.echo, "chat echo is not implemented"),
         ("continue_final_message", body.continue_final_message, "not implemented"),
+        ("audio", body.audio is not None, "this server generates text only"),
+        ("modalities", body.modalities not in (None, ["text"]), "this server generates text only"),
+        ("prediction", body.prediction is not None, "predicted outputs are not implemented"),
+        ("web_search_options", body.web_search_options is not None, "this server has no web search"),
+        ("reasoning_effort", body.reasoning_effort is not None, "the model has no reasoning mode here"),
         ("chat_template", body.chat_template is not None, "the model's own chat template is used"),
         ("chat_template_kwargs", bool(body.chat_template_kwargs), "the model's own chat template is used"),
     ]
