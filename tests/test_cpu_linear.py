@@ -26,7 +26,7 @@ def test_native_bf16_cpus_get_packed_gemms_and_the_others_fp32_ones(
 
 
 def test_the_bench_picks_the_dtype_the_engine_runs_natively() -> None:
-    from vmkv.bench.cli import auto_dtype
+    from vmkv.engine.args import auto_dtype
 
     native = cpu_linear.has_native_half_gemm(torch.bfloat16)
     assert auto_dtype() == ("bfloat16" if native else "float32")
