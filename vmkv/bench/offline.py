@@ -3,7 +3,7 @@
 The engine is driven step by step (not through `LLM.generate`) so that requests can
 arrive on a schedule and every step can be timed and sampled: each request's chunks are
 stamped when the step that produced them returns, and after each step the cache's memory
-and counters are recorded, giving KV memory over time. Every run builds a fresh engine,
+and units in use are recorded, giving KV memory over time. Every run builds a fresh engine,
 so no run inherits another's prefix cache or kept pages.
 """
 

@@ -2,7 +2,7 @@
 
 The metrics vLLM also has carry its names, prefix `vllm:` included, so the dashboards and
 alerts people run against vLLM read them unchanged; those only vmkv has (KV memory, the
-layout's counters) carry the prefix `vmkv:`. Latencies are measured here, where
+layout's KVStats) carry the prefix `vmkv:`. Latencies are measured here, where
 the tokens leave for the client; queue and cache figures are read from the engine at
 scrape time. Everything is touched only from the event loop, so no locks are needed.
 """
