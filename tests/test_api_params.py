@@ -283,6 +283,7 @@ def test_bad_structured_outputs_are_400s_naming_the_field(
         ({"best_of": 2}, "best_of"),
         ({"echo": True, "logprobs": 1}, "echo"),
         ({"bad_words": [""]}, "bad_words"),
+        ({"bad_words": ["x"] * 129}, "bad_words"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"allowed_token_ids": [5]}, "allowed_token_ids"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),

@@ -26,6 +26,8 @@ from pydantic import (
 # The OpenAI API caps both; they also bound the work one request can ask for.
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+# Each bad word is tokenized per request and compared with every sample's output at each step.
+MAX_BAD_WORDS = 128
 # The OpenAI API's seed is a signed 64-bit integer; only its non-negative half makes sense here.
 MAX_SEED = 2**63 - 1
 
@@ -135,7 +137,7 @@ class SamplingFields(OpenAIModel):
     guided_regex: NonEmptyText | None = None
     guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
     guided_grammar: NonEmptyText | None = None
-    bad_words: list[NonEmptyText] | None = None
+    bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_BAD_WORDS)] | None = None
     # known and refused with a 400 when set (see docs/server.md)
     prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
     allowed_token_ids: list[TokenId] | None = None
