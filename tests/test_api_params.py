@@ -288,6 +288,12 @@ def test_bad_structured_outputs_are_400s_naming_the_field(
         ({"allowed_token_ids": [5]}, "allowed_token_ids"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"length_penalty": 0.5}, "length_penalty"),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+        ({"logprob_token_ids": [5]}, "logprob_token_ids"),
+        ({"priority": 1}, "priority"),
+        ({"return_token_ids": True}, "return_token_ids"),
         (
             {"stream": True, "stream_options": {"continuous_usage_stats": True}},
             "stream_options.continuous_usage_stats",

@@ -143,7 +143,16 @@ class SamplingFields(OpenAIModel):
     allowed_token_ids: list[TokenId] | None = None
     logits_processors: list[Any] | None = None
     truncate_prompt_tokens: StrictInt | None = None
+    truncation_side: Text | None = None
     include_stop_str_in_output: StrictBool = False
+    use_beam_search: StrictBool = False
+    length_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False)] = 1.0
+    spaces_between_special_tokens: StrictBool = True
+    logprob_token_ids: list[TokenId] | None = None
+    prompt_embeds: Any = None
+    priority: StrictInt = 0
+    return_tokens_as_token_ids: StrictBool | None = None
+    return_token_ids: StrictBool | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -169,6 +178,9 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: StrictBool = Field(default=False, description="Return the prompt text before each choice's text.")
+    add_special_tokens: StrictBool = Field(
+        default=True, description="Whether text prompts get the tokenizer's special tokens (BOS)."
+    )
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = Field(
         default=None, description="Only n itself (or null): sampling more than n to keep the best is refused."
     )

@@ -285,7 +285,7 @@ class OpenAIServing:
         prompts = completion_prompts(body)
         self.check_limits(len(prompts), body)
         structured = await self.structured_output(body)
-        for i, prompt_ids in enumerate(await self.prompt_token_ids(prompts)):
+        for i, prompt_ids in enumerate(await self.prompt_token_ids(prompts, body.add_special_tokens)):
             max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, "prompt")
             submissions.append(
                 self.submission(
@@ -320,9 +320,11 @@ class OpenAIServing:
         )
         return JSONResponse(response.model_dump())
 
-    async def prompt_token_ids(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+    async def prompt_token_ids(
+        self, prompts: list[str] | list[list[int]], add_special_tokens: bool
+    ) -> list[list[int]]:
         if isinstance(prompts[0], str):
-            return [await self.encode(text, add_special_tokens=True, param="prompt") for text in prompts]
+            return [await self.encode(text, add_special_tokens, param="prompt") for text in prompts]
         for token_ids in prompts:
             self.check_token_ids(token_ids, "prompt")
         return [list(token_ids) for token_ids in prompts]
@@ -573,6 +575,15 @@ def sampling_refusals(body: SamplingFields) -> list[Refusal]:
         ("allowed_token_ids", body.allowed_token_ids is not None, "use logit_bias or a structured output"),
         ("logits_processors", bool(body.logits_processors), "custom logits processors cannot be loaded"),
         ("truncate_prompt_tokens", body.truncate_prompt_tokens is not None, "prompts are never truncated"),
+        ("truncation_side", body.truncation_side is not None, "prompts are never truncated"),
+        ("use_beam_search", body.use_beam_search, "beam search is not implemented"),
+        ("length_penalty", body.length_penalty != 1.0, "it applies to beam search, which is not implemented"),
+        ("spaces_between_special_tokens", not body.spaces_between_special_tokens, "not implemented"),
+        ("logprob_token_ids", body.logprob_token_ids is not None, "logprobs are of the top tokens only"),
+        ("prompt_embeds", body.prompt_embeds is not None, "prompts are text or token ids"),
+        ("priority", body.priority != 0, "the scheduler serves requests in arrival order"),
+        ("return_tokens_as_token_ids", bool(body.return_tokens_as_token_ids), "not implemented"),
+        ("return_token_ids", bool(body.return_token_ids), "not implemented"),
         ("include_stop_str_in_output", body.include_stop_str_in_output, "stop strings are always cut"),
         (
             "stream_options.continuous_usage_stats",
