@@ -60,7 +60,8 @@ class Sampler:
             logits = logits.clone()
             self._process(logits, rows, processed)
             best, tokens = logits.max(dim=-1)
-            blocked = {i for i in processed if best[i] == float("-inf")}
+            best_values = best.tolist()
+            blocked = {i for i in processed if best_values[i] == float("-inf")}
             for i in blocked:
                 tokens[i] = self._blocked_token(raw[i])
         else:
@@ -84,8 +85,9 @@ class Sampler:
 
     # ------------------------------------------------------------------ logits processors
     def _process(self, logits: torch.Tensor, rows: list[SampleRow], processed: list[int]) -> None:
-        """Apply, in place and in this order, the grammar masks, min_tokens, logit_bias and the
-        penalties of the `processed` rows (vLLM's order: masks and biases, then penalties)."""
+        """Apply, in place and in this order, the grammar masks, the min_tokens and bad_words
+        masks, logit_bias and the penalties of the `processed` rows (vLLM's order: masks and
+        biases, then penalties)."""
         grammar_rows = [i for i in processed if rows[i].grammar is not None]
         if grammar_rows:
             bitmask = new_token_bitmask(len(grammar_rows), logits.shape[1])
