@@ -229,8 +229,11 @@ def serve_and_measure(
     runs = []
     try:
         wait_healthy(server, url)
-        for rate in args.rates:
-            runs.append(client_run(args, peer_python, model, url, target, dtype, rate, round_index))
+        for rate_index, rate in enumerate(args.rates):
+            # Prompts differ from every earlier run on this server (else a prefix cache answers
+            # them) and are the same for every target at this round and rate.
+            seed = round_index * len(args.rates) + rate_index
+            runs.append(client_run(args, peer_python, model, url, target, dtype, rate, round_index, seed))
     finally:
         stop_group(server)
         log.close()
@@ -256,6 +259,7 @@ def client_run(
     dtype: str,
     rate: str,
     round_index: int,
+    seed: int,
 ) -> dict:
     name = f"{target}-{dtype}-rate{rate}-{round_index}.json"
     prompts = args.num_prompts if rate == "inf" else args.num_prompts_rated
@@ -285,7 +289,7 @@ def client_run(
         rate,
         "--ignore-eos",
         "--seed",
-        str(round_index),
+        str(seed),
         "--save-result",
         "--result-dir",
         str(args.out),
