@@ -115,6 +115,27 @@ def test_min_tokens_holds_off_eos_and_stop_token_ids(client: openai.OpenAI, serv
     assert WORD not in later.choices[0].text[: -len(WORD)]
 
 
+def test_min_tokens_holds_off_stop_strings_in_both_front_doors(
+    client: openai.OpenAI, served: Served, tiny_model_dir: Path
+) -> None:
+    """As vLLM: a stop string only ends a sample once min_tokens are out (the text before the
+    match stays, the match is cut), whether the API process or the engine detokenizes."""
+    token = single_token(served, WORD)
+    forced = {"logit_bias": {str(token): 100.0}, "stop": [WORD]}  # " the the the ..."
+    first = complete(client, **forced)
+    assert (first.choices[0].text, first.usage.completion_tokens) == ("", 1)
+    held = complete(client, min_tokens=3, **forced)
+    assert (held.choices[0].text, held.usage.completion_tokens) == (WORD * 2, 3)
+    assert held.choices[0].model_extra["stop_reason"] == WORD
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_mode="paged", max_model_len=64)
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, logit_bias={token: 100.0}, stop=[WORD], min_tokens=3
+    )
+    (out,) = llm.generate([PROMPT], params)[0].outputs
+    assert (out.text, len(out.token_ids), out.stop_reason) == (WORD * 2, 3, WORD)
+    llm.engine.close()
+
+
 def test_min_p_one_keeps_only_the_most_likely_token(client: openai.OpenAI) -> None:
     greedy = complete(client, max_tokens=16).choices[0].text
     sampled = client.completions.create(

@@ -328,7 +328,10 @@ class LLMEngine:
         if not delta:
             return
         seq.text += delta
-        if params.stop and (stop := find_stop(seq.text, params.stop, len(delta))):
+        # as vLLM: no stop string ends a sample before min_tokens (the sampler masks the stop ids)
+        if params.stop and seq.num_output >= params.min_tokens and (
+            stop := find_stop(seq.text, params.stop, len(delta))
+        ):
             at, seq.stop_reason = stop
             seq.text = seq.text[:at]
             seq.finish_reason = FinishReason.STOP

@@ -111,7 +111,10 @@ class RequestState:
         sample.finish_reason, sample.stop_reason = update.finish_reason, update.stop_reason
         delta = sample.detokenizer.step(sample.token_ids, final=update.finish_reason is not None)
         sample.text += delta
-        stop = find_stop(sample.text, self.params.stop, len(delta)) if delta and self.params.stop else None
+        checks = (
+            delta and self.params.stop and len(sample.token_ids) - sample.prompt_len >= self.params.min_tokens
+        )
+        stop = find_stop(sample.text, self.params.stop, len(delta)) if checks else None
         if stop is None:
             return False
         at, sample.stop_reason = stop
