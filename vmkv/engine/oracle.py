@@ -1,4 +1,10 @@
-"""The correctness oracle: the engine's greedy tokens against transformers' own generate().
+"""The correctness oracle: the engine's greedy tokens against the definition of greedy decoding.
+
+The reference (`reference_greedy`) is a plain loop with no KV cache: at each step the whole
+model runs on every id so far and the argmax of the last position's logits is the next token.
+transformers' `generate()` (`generate_greedy`) is only a secondary cross-check: it runs its own
+cached path, and on some CPUs its first-step logits differ from a plain forward of the same ids
+(by ~0.2 at a logit of ~30 in fp32 on an AVX512-BF16 EPYC), so it is not a fixed reference.
 
 Batched and single-sequence float arithmetic round differently, so a greedy choice can
 flip where the model's top two logits are (almost) tied. A divergence counts as a
@@ -16,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from vmkv.engine.cpu_linear import has_native_half_gemm, run_linears_in_fp32
 from vmkv.model.store import load_model
 
 # Varied chat prompts, short to long, for the oracle and the fast tests.
@@ -86,9 +93,49 @@ class OracleReport:
 
 @torch.inference_mode()
 def reference_greedy(
+    model_path: str | Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dtype: torch.dtype,
+    fp32_gemm: bool | None = None,
+) -> list[ReferenceRun]:
+    """Greedy decoding by definition: each step a full no-cache forward of all ids, then argmax.
+
+    Half-precision Linears take the GEMM path the engine would (`fp32_gemm`: None picks it from
+    the CPU's flags, as the engine does), so a bf16 comparison differs only in attention and
+    batching, not in which GEMM rounds the products. Stops at the model's end-of-sequence ids.
+    """
+    model = load_model(model_path, dtype=dtype, attn_implementation="sdpa")
+    if fp32_gemm is None:
+        fp32_gemm = dtype != torch.float32 and not has_native_half_gemm(dtype)
+    if fp32_gemm and dtype != torch.float32:
+        run_linears_in_fp32(model)
+    eos = model.generation_config.eos_token_id
+    stop = {eos} if isinstance(eos, int) else set(eos or ())
+    runs = []
+    for prompt in prompts:
+        ids = list(prompt)
+        run = ReferenceRun([], [], [])
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1).logits[0, -1]
+            top2 = logits.float().topk(2)
+            token = int(top2.indices[0])
+            run.token_ids.append(token)
+            run.margins.append(float(top2.values[0] - top2.values[1]))
+            run.tops.append(float(top2.values[0]))
+            ids.append(token)
+            if token in stop:
+                break
+        runs.append(run)
+    return runs
+
+
+@torch.inference_mode()
+def generate_greedy(
     model_path: str | Path, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype
 ) -> list[ReferenceRun]:
-    """transformers' generate(), one prompt at a time (no padding), greedy, with its logits."""
+    """transformers' generate(), one prompt at a time (no padding), greedy, with its logits: the
+    secondary cross-check of `reference_greedy`, agreeing with it up to near-ties."""
     model = load_model(model_path, dtype=dtype, attn_implementation="sdpa")
     eos = model.generation_config.eos_token_id
     config = GenerationConfig(
