@@ -452,12 +452,17 @@ def test_metrics_carry_vllms_names_with_model_name(client: openai.OpenAI, served
         assert all(sample.labels.get("model_name") == MODEL for sample in families[name].samples), name
 
 
-@pytest.mark.xfail(
-    strict=True, reason="vllm:request_success_total is not exported yet (vmkv/server/metrics.py)"
-)
 def test_metrics_count_successes_by_finished_reason(client: openai.OpenAI, served: Served) -> None:
-    complete(client, max_tokens=2)
-    family = scrape(served)["vllm:request_success"]
-    assert family.type == "counter"
-    reasons = {sample.labels["finished_reason"] for sample in family.samples}
-    assert "length" in reasons and all(s.labels["model_name"] == MODEL for s in family.samples)
+    def successes() -> dict[str, float]:
+        family = scrape(served)["vllm:request_success"]
+        assert family.type == "counter"
+        assert all(s.labels["model_name"] == MODEL for s in family.samples)
+        return {s.labels["finished_reason"]: s.value for s in family.samples}
+
+    before = successes()
+    complete(client, max_tokens=2, n=2)  # two samples, both cut by max_tokens
+    complete(client, logit_bias={str(EOS): 100.0})  # ends at end-of-sequence
+    after = successes()
+    assert after["length"] - before["length"] == 2
+    assert after["stop"] - before["stop"] == 1
+    assert after["abort"] == before["abort"] and after["error"] == before["error"]

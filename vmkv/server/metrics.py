@@ -12,13 +12,16 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from vmkv.engine import EngineStats
+from vmkv.engine.sequence import FinishReason
 
 COMMON_PREFIX = "vllm:"  # names and meanings as vLLM exports them
 PREFIX = "vmkv:"  # vmkv's own
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = tuple(str(reason) for reason in FinishReason)
 
 # Bucket bounds of the common serving convention, so existing dashboards read these unchanged.
 # fmt: off
@@ -70,9 +73,13 @@ class RequestTimer:
             self.metrics.itl.observe(now - self.last_token)
         self.last_token = now
 
-    def on_finish(self, prompt_tokens: int, generated_tokens: int, longest_output: int) -> None:
-        """`longest_output` is the longest sample's length: the number of decode steps taken."""
+    def on_finish(
+        self, prompt_tokens: int, generated_tokens: int, longest_output: int, finish_reasons: list[str]
+    ) -> None:
+        """`longest_output` is the longest sample's length: the number of decode steps taken;
+        `finish_reasons` holds one entry per sample (vLLM's v1 counts each sample as a request)."""
         now = time.perf_counter()
+        self.metrics.request_success.update(finish_reasons)
         self.metrics.prompt_tokens += prompt_tokens
         self.metrics.generation_tokens += generated_tokens
         self.metrics.e2e.observe(now - self.arrival)
@@ -83,6 +90,7 @@ class RequestTimer:
 class ServingMetrics:
     def __init__(self, model_name: str) -> None:
         self.labels = {"model_name": model_name}
+        self.request_success: Counter[str] = Counter()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -150,11 +158,19 @@ class ServingMetrics:
         out: list[str] = []
         for name, kind, help_text, value in common:
             self._sample(out, COMMON_PREFIX + name, kind, help_text, value)
+        self._request_success(out)
         for histogram in (self.ttft, self.itl, self.tpot, self.e2e):
             self._histogram(out, histogram)
         for name, kind, help_text, value in own:
             self._sample(out, PREFIX + name, kind, help_text, value)
         return "\n".join(out) + "\n"
+
+    def _request_success(self, out: list[str]) -> None:
+        name = COMMON_PREFIX + "request_success_total"
+        out += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
+        for reason in FINISH_REASONS:
+            labels = format_labels({**self.labels, "finished_reason": reason})
+            out.append(f"{name}{labels} {format_value(self.request_success[reason])}")
 
     def _sample(self, out: list[str], name: str, kind: str, help_text: str, value: float) -> None:
         out += [

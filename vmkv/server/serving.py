@@ -239,8 +239,10 @@ class OpenAIServing:
         logprobs: int | None,
         choice_offset: int,
         structured: StructuredOutput | None,
+        prompt_param: str,
     ) -> Submission:
-        """An engine request the engine is known to accept (anything else is a 400 here)."""
+        """An engine request the engine is known to accept (anything else is a 400 naming the
+        field to change: the engine's "prompt" is this route's `prompt_param`)."""
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(body.logit_bias or {}, "logit_bias")
         if body.min_tokens > max_tokens:
@@ -272,7 +274,7 @@ class OpenAIServing:
         try:
             self.engine.validate(prompt_ids, params)
         except RequestRejected as error:
-            raise bad_request(str(error), error.param) from error
+            raise bad_request(str(error), prompt_param if error.param == "prompt" else error.param) from error
         return Submission(request_id, prompt_ids, params, choice_offset, body.cache_salt)
 
     # ---------------------------------------------------------------------------- completions
@@ -289,7 +291,14 @@ class OpenAIServing:
             max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, "prompt")
             submissions.append(
                 self.submission(
-                    f"{request_id}-{i}", prompt_ids, body, max_tokens, body.logprobs, i * body.n, structured
+                    f"{request_id}-{i}",
+                    prompt_ids,
+                    body,
+                    max_tokens,
+                    body.logprobs,
+                    i * body.n,
+                    structured,
+                    "prompt",
                 )
             )
         if body.echo:
@@ -404,7 +413,9 @@ class OpenAIServing:
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         request_id = random_id("chatcmpl")
-        submissions = [self.submission(request_id, prompt_ids, body, max_tokens, logprobs, 0, structured)]
+        submissions = [
+            self.submission(request_id, prompt_ids, body, max_tokens, logprobs, 0, structured, "messages")
+        ]
         timer = self.metrics.timer()
         if body.stream:
             return EventStreamResponse(self.chat_events(body, request_id, submissions, timer))
@@ -512,6 +523,7 @@ class OpenAIServing:
             prompt_tokens=sum(len(s.prompt_ids) for s in submissions),
             generated_tokens=sum(choice.num_tokens for choice in choices),
             longest_output=max(choice.num_tokens for choice in choices),
+            finish_reasons=[choice.finish_reason for choice in choices if choice.finish_reason],
         )
 
     async def collect(self, submissions: list[Submission], timer: RequestTimer) -> list[Choice]:
