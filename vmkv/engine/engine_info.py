@@ -60,8 +60,11 @@ class EngineInfo:
                 "n",
             )
         if params.n * total > self.capacity_tokens:
+            # the field to change: the prompt if it alone cannot fit, else max_tokens, else n
+            blame = "prompt" if prompt_len >= self.capacity_tokens else "max_tokens"
             raise RequestRejected(
-                f"{params.n} x {total} tokens can never fit the KV cache, which holds {self.capacity_tokens}"
+                f"{params.n} x {total} tokens can never fit the KV cache, which holds {self.capacity_tokens}",
+                blame if total > self.capacity_tokens else "n",
             )
 
     def validate(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import uvicorn
 
@@ -23,7 +24,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--served-model-name",
         default=None,
-        help="the name clients send as `model` (default: the --model argument)",
+        help="the name clients send as `model` (default: the --model name, or a checkpoint "
+        "directory's base name)",
     )
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     server.add_argument("--port", type=int, default=8000)
@@ -87,6 +89,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(engine)
 
 
+def served_model_name(args: argparse.Namespace) -> str:
+    """--served-model-name, else a checkpoint directory's base name (never the whole path, which
+    would show the server's file system to every client and metrics scraper), else --model."""
+    if args.served_model_name:
+        return args.served_model_name
+    path = Path(args.model).expanduser()
+    return path.resolve().name if path.is_dir() else args.model
+
+
 def serve_main(args: argparse.Namespace) -> None:
     """Serve until interrupted; the engine is shut down (KV freed) on the way out."""
     engine_settings = engine_config(args)
@@ -97,7 +108,7 @@ def serve_main(args: argparse.Namespace) -> None:
     engine = EngineClient(llm)
     app = build_app(
         engine,
-        args.served_model_name or args.model,
+        served_model_name(args),
         api_keys=args.api_keys,
         open_metrics=args.metrics_without_key,
         limits=RequestLimits(
