@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from test_paged_attention import make_cache, stored_kv
-from vmkv.paging import PagedKVCache, prefix_cache
-from vmkv.paging.prefix_cache import BlockKey
+from vmkv.paging import PagedKVCache
 
+from vmkv import prefix_cache
 from vmkv.kv_cache import SeqStep, StepBatch
+from vmkv.prefix_cache import BlockKey
 
 NUM_Q_HEADS = 4
 VOCAB = 64
