@@ -26,8 +26,12 @@ from vmkv.bench.kernels import (
     PAGED,
     UNMODIFIED,
     VIRTUAL,
+    WRONG_RESULT,
     AttentionShape,
+    Kernel,
     kernel_matrix,
+    max_error_allowed,
+    reference_attention,
 )
 from vmkv.bench.metrics import SLO, Distribution, RequestRecord, compute_metrics
 from vmkv.bench.offline import Round, RunOutcome, Target, run_interleaved
@@ -297,6 +301,23 @@ def test_kernel_matrix_on_a_tiny_shape() -> None:
     for cell in matrix.cells:  # whatever ran was right
         if cell.max_error is not None:
             assert cell.max_error < 1e-4, cell
+
+
+def test_a_kernel_returning_garbage_reads_wrong_result_not_runs() -> None:
+    shape = AttentionShape(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=16)
+    kernels = [
+        Kernel("garbage", dense=lambda q, k, v, lens, scale: torch.zeros_like(q)),
+        Kernel(
+            "off by a little",
+            dense=lambda q, k, v, lens, scale: (
+                reference_attention(q, k[:, : lens[0]], v[:, : lens[0]], scale) + 1e-3
+            ),
+        ),
+    ]
+    matrix = kernel_matrix(shape, contexts=(32,), batches=(2,), kernels=kernels, min_seconds=0.0)
+    for name in ("garbage", "off by a little"):
+        cell = matrix.cell(name, VIRTUAL)
+        assert cell.status == WRONG_RESULT and cell.max_error > max_error_allowed(torch.float32), cell
 
 
 # --------------------------------------------------------------------- client
