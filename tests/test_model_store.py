@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import GenerationMixin
 
-from vmkv import cli
+from vmkv import LLM, cli
+from vmkv.engine.oracle import chat_prompt_ids, reference_greedy
 from vmkv.model import gguf_convert, store
 from vmkv.model.tiny import build_tiny_model
 
@@ -52,8 +54,6 @@ def test_tiny_model_loads_and_generates(tiny_model_dir: Path) -> None:
     assert config.vocab_size == len(tokenizer)
     assert model.dtype == torch.bfloat16 and not model.training
 
-    answer = cli.complete_chat(model, tokenizer, FRANCE, max_tokens=8)
-    assert answer == cli.complete_chat(model, tokenizer, FRANCE, max_tokens=8)
     prompt = tokenizer(FRANCE, return_tensors="pt").input_ids
     output = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert output.shape == (1, prompt.shape[1] + 8)
@@ -211,13 +211,19 @@ def test_cli_pull_prints_a_local_checkpoint_dir(
     assert capsys.readouterr().out.strip() == str(tiny_model_dir.resolve())
 
 
-def test_cli_chat_prints_the_greedy_completion(
-    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("kv_mode", ["vattention", "paged"])
+def test_cli_chat_prints_the_greedy_completion_from_the_engine(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, kv_mode: str
 ) -> None:
-    assert cli.main(["chat", FRANCE, "--model", str(tiny_model_dir), "--max-tokens", "6"]) == 0
-    printed = capsys.readouterr().out
-    model, tokenizer = store.load_model(tiny_model_dir), store.load_tokenizer(tiny_model_dir)
-    assert printed == cli.complete_chat(model, tokenizer, FRANCE, max_tokens=6) + "\n"
+    """The answer is the engine's, and it is greedy decoding by definition (the oracle's
+    no-cache reference), not merely the same answer twice; generate() is never called."""
+    tokenizer = store.load_tokenizer(tiny_model_dir)
+    ids = chat_prompt_ids(tokenizer, [FRANCE])
+    expected = reference_greedy(tiny_model_dir, ids, 6, torch.bfloat16)[0].token_ids
+    monkeypatch.setattr(GenerationMixin, "generate", None)
+    argv = ["chat", FRANCE, "--model", str(tiny_model_dir), "--max-tokens", "6", "--kv-mode", kv_mode]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == tokenizer.decode(expected, skip_special_tokens=True).strip() + "\n"
 
 
 @pytest.mark.parametrize(
@@ -255,9 +261,12 @@ def test_default_model_is_a_plain_bf16_checkpoint(default_model_dir: Path) -> No
 
 @pytest.mark.slow
 def test_default_model_answers_paris(default_model_dir: Path) -> None:
-    model, tokenizer = store.load_model(default_model_dir), store.load_tokenizer(default_model_dir)
-    assert tokenizer.chat_template
-    assert "Paris" in cli.complete_chat(model, tokenizer, FRANCE, max_tokens=16)
+    assert store.load_tokenizer(default_model_dir).chat_template
+    llm = LLM(str(default_model_dir), kv_mode="paged", max_model_len=256, kv_budget_bytes=64 << 20)
+    try:
+        assert "Paris" in cli.complete_chat(llm, FRANCE, max_tokens=16)
+    finally:
+        llm.close()
 
 
 @pytest.mark.slow

@@ -6,32 +6,22 @@ import argparse
 import logging
 import sys
 
-import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as transformers_logging
 
 from vmkv.bench.cli import add_bench_arguments, bench_main
+from vmkv.engine import LLM, SamplingParams
 from vmkv.engine.args import positive_int
-from vmkv.model.store import DEFAULT_MODEL, UnknownModelError, load_model, load_tokenizer, resolve_model
+from vmkv.engine.config import KV_MODES
+from vmkv.engine.oracle import chat_prompt_ids
+from vmkv.model.store import DEFAULT_MODEL, UnknownModelError, resolve_model
 from vmkv.server.launcher import add_serve_arguments, serve_main
 
 
-def complete_chat(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_tokens: int
-) -> str:
-    """Greedy chat completion of one user message (transformers `generate`, until the engine takes over)."""
-    messages = [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    with torch.inference_mode():
-        output = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True).strip()
+def complete_chat(llm: LLM, prompt: str, max_tokens: int) -> str:
+    """Greedy chat completion of one user message, through the engine (the same path as serving)."""
+    ids = chat_prompt_ids(llm.tokenizer, [prompt])[0]
+    output = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+    return output.outputs[0].text.strip()
 
 
 def cmd_pull(args: argparse.Namespace) -> None:
@@ -39,10 +29,11 @@ def cmd_pull(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    path = resolve_model(args.model)
-    model = load_model(path)
-    tokenizer = load_tokenizer(path)
-    print(complete_chat(model, tokenizer, args.prompt, args.max_tokens))
+    llm = LLM(str(resolve_model(args.model)), kv_mode=args.kv_mode)
+    try:
+        print(complete_chat(llm, args.prompt, args.max_tokens))
+    finally:
+        llm.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("prompt", metavar="PROMPT")
     chat.add_argument("--model", default=DEFAULT_MODEL, help="model name or local checkpoint directory")
     chat.add_argument("--max-tokens", type=positive_int, default=128, help="most new tokens to generate")
+    chat.add_argument("--kv-mode", choices=KV_MODES, default="vattention", help="the KV cache layout")
     chat.set_defaults(handler=cmd_chat)
 
     serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
