@@ -37,7 +37,8 @@ class EngineConfig:
     num_threads: int | None = None
     # Run bf16/fp16 linear layers as fp32 GEMMs of the same values, rounding outputs back: the
     # arithmetic of a half-precision GEMM (fp32 accumulation), for CPUs that lack one natively,
-    # where torch's fallback is ~6x slower. None: only where no native kernel exists.
+    # where torch's fallback is several times slower (benchmarks/bench_gemm.py). None: only
+    # where no native kernel exists.
     fp32_gemm: bool | None = None
     # Run the decoder under torch.compile (inductor), compiled once at start; eager if off or if
     # compiling fails. Off by default: see docs/engine.md for the measured start-up cost and gain.

@@ -9,7 +9,8 @@ them, fp32 GEMMs of the same values where it has not.
   Calls of a few rows (decode) go to the bf16 GEMV kernel (gemv_kernel.py) where it runs.
   Under torch.compile this is the opaque custom op `vmkv::packed_linear` (inductor lowers
   oneDNN's op only for frozen constant weights).
-- Without them torch's fallback bf16 GEMM is ~6x slower than fp32, so each Linear's weight
+- Without them torch's fallback bf16 GEMM is several times slower than fp32 (on a 2-core AVX2
+  CPU, 7.8 against 52.6 GFLOP/s: `benchmarks/bench_gemm.py`), so each Linear's weight
   is held in fp32 (the same values) and computes `linear(x.float(), W).to(bf16)`: a bf16
   GEMM's arithmetic (fp32 accumulation, one rounding of the output) through the fp32 kernel.
 - float32 models and GPUs are left alone.
