@@ -637,46 +637,71 @@ def test_dead_engine_answers_503_with_its_reason(
 # ------------------------------------------------------------------------------------ metrics
 
 
-def test_metrics_exposition(served: Served) -> None:
-    served.openai().completions.create(
-        model=MODEL, prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
-    )
-    text = httpx.get(f"{served.url}/metrics").text
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of /metrics, by name and labels."""
     samples = {}
-    for line in text.splitlines():
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
+    return samples
+
+
+def test_metrics_exposition(served: Served) -> None:
+    """The gauges read what the engine holds: one stream running with KV in use while it runs,
+    nothing after; the token counters grow by exactly the request's tokens."""
     label = f'{{model_name="{MODEL}"}}'
-    for name in (
-        "num_requests_running",
-        "num_requests_waiting",
-        "kv_cache_usage_perc",
-        "num_preemptions_total",
-        "prefix_cache_queries_total",
-        "prefix_cache_hits_total",
-    ):
-        assert f"vllm:{name}{label}" in samples, name  # vLLM's names: its dashboards read them
-    for name in ("kv_cache_allocated_bytes", "kv_cache_fragmentation_bytes"):
-        assert f"vmkv:{name}{label}" in samples, name
-    assert samples[f"vllm:generation_tokens_total{label}"] >= 4
-    assert samples[f"vllm:prompt_tokens_total{label}"] >= 1
+    served.wait_idle()
+    before = scrape(served.url)
+    prompt_len = len(served.engine.tokenizer("Hello")["input_ids"])
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 40, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=30) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        during = scrape(served.url)
+        for _ in lines:
+            pass
+    served.wait_idle()
+    after = scrape(served.url)
+    assert during[f"vllm:num_requests_running{label}"] == 1
+    assert during[f"vllm:num_requests_waiting{label}"] == 0
+    assert 0 < during[f"vllm:kv_cache_usage_perc{label}"] <= 1
+    assert during[f"vmkv:kv_cache_allocated_bytes{label}"] > 0
+    assert after[f"vllm:num_requests_running{label}"] == 0
+    assert after[f"vllm:num_preemptions_total{label}"] == before[f"vllm:num_preemptions_total{label}"]
+    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
+        assert after[f"vllm:{name}{label}"] >= before[f"vllm:{name}{label}"], name
+    assert after[f"vmkv:kv_cache_fragmentation_bytes{label}"] >= 0
+    grew = {
+        name: after[f"vllm:{name}{label}"] - before[f"vllm:{name}{label}"]
+        for name in ("generation_tokens_total", "prompt_tokens_total")
+    }
+    assert grew == {"generation_tokens_total": 40, "prompt_tokens_total": prompt_len}
     for name in (
         "time_to_first_token_seconds",
         "inter_token_latency_seconds",
         "request_time_per_output_token_seconds",
         "e2e_request_latency_seconds",
     ):
-        count = samples[f"vllm:{name}_count{label}"]
+        count = after[f"vllm:{name}_count{label}"]
         assert count >= 1
-        assert samples[f'vllm:{name}_bucket{{model_name="{MODEL}",le="+Inf"}}'] == count
-    expected_layout_counters = {
-        "vattention": ("map_calls_critical", "map_calls_background", "pages_mapped"),
-        "paged": ("blocks_allocated", "cow_copies"),
-        "contiguous": ("units_in_use",),
+        assert after[f'vllm:{name}_bucket{{model_name="{MODEL}",le="+Inf"}}'] == count
+    assert (
+        after[f"vllm:e2e_request_latency_seconds_count{label}"]
+        - before[f"vllm:e2e_request_latency_seconds_count{label}"]
+        == 1
+    )
+    in_use = {  # the layout's own gauge of what the running stream holds
+        "vattention": "pages_mapped",
+        "paged": "blocks_allocated",
+        "contiguous": "units_in_use",
     }[served.kv_mode]
-    for counter in expected_layout_counters:
-        assert f"vmkv:kv_{counter}{label}" in samples, counter
+    assert during[f"vmkv:kv_{in_use}{label}"] > 0, in_use
+    if served.kv_mode == "contiguous":
+        assert during[f"vmkv:kv_units_in_use{label}"] == 1 and after[f"vmkv:kv_units_in_use{label}"] == 0
+    if served.kv_mode == "vattention":
+        critical, background = (f"vmkv:kv_map_calls_{kind}{label}" for kind in ("critical", "background"))
+        assert after[critical] + after[background] > before[critical] + before[background]
 
 
 # ------------------------------------------------------------------------------------ fuzzing
