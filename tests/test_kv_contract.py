@@ -1,13 +1,17 @@
 """The KV-cache contract, the same for every layout: one state machine, run over all three.
 
-Random admit / grow / step / fork / free / swap / preempt sequences through the public API
-only. A token's K/V are a fixed function of its prefix (as a model's are, which is what lets
-the paged prefix cache hand out cached KV), so every step checks attention against the
-reference over what each sequence must hold: no sequence ever sees another one's data, a
-fork or a swap brings back exactly what was there, a prefix hit is the right KV. A failed
-call (OutOfKVMemory, SequenceTooLong) changes nothing, can_admit never promises what admit
-refuses, nothing is freed twice, and once everything is freed the cache has exactly its
-first capacity again.
+Random admit / grow / step / fork / free / swap / preempt / evict sequences through the public
+API only (prompts with and without a cache salt). A token's K/V are a fixed function of its
+prefix (as a model's are, which is what lets the paged prefix cache hand out cached KV), so
+every step checks attention against the reference over what each sequence must hold: no
+sequence ever sees another one's data, a fork or a swap brings back exactly what was there, a
+prefix hit is the right KV. A failed call (OutOfKVMemory, SequenceTooLong) changes nothing,
+can_admit never promises what admit refuses, nothing is freed twice, and once everything is
+freed the cache has exactly its first capacity again. Where a layout shares physical memory
+(vattention), its references are checked after every rule: each page set's count is its mappers
+plus the prefix index, the free list is exactly the sets nobody holds, sequences of different
+salts share nothing, and once everything is freed and the kept pages trimmed every count is
+zero.
 """
 
 from __future__ import annotations
@@ -50,8 +54,17 @@ def build(layout: str, option: int) -> KVCache:
             {"deferred_reclamation": False, "eager_steps": 0, "group_pad_pages": 0},
             {"deferred_reclamation": True, "eager_steps": 40, "group_pad_pages": 1},
             {"deferred_reclamation": True, "eager_steps": 0, "order": "head"},
+            {"deferred_reclamation": False, "eager_steps": 0, "prefix_caching": True},
+            {"deferred_reclamation": True, "eager_steps": 8, "prefix_caching": True},
+            {"deferred_reclamation": True, "order": "head", "prefix_caching": True},
         ]
-        options = {"order": "token", "background_mapping": False} | variants[option]
+        options = {
+            "order": "token",
+            "background_mapping": False,
+            "kept_watermark": 0.0,  # trim(force=True) then gives every kept page back
+            "kept_idle_seconds": None,  # no trimming thread: rules decide when pages go
+            "pressure_min_available": 0.0,
+        } | variants[option]
         units = 2 * SHAPE.num_layers * (SHAPE.num_kv_heads if options["order"] == "head" else 1)
         return VAttentionKVCache(SHAPE, MAX_LEN, 7 * units * PAGE, page_size=PAGE, **options)
     if layout == "paged":
@@ -73,10 +86,12 @@ class ContractLifecycle(RuleBasedStateMachine):
         self.next_id = 0
         self.gen = torch.Generator().manual_seed(0)
 
-    @initialize(layout=st.sampled_from(LAYOUTS), option=st.integers(0, 2))
+    @initialize(layout=st.sampled_from(LAYOUTS), option=st.integers(0, 5))
     def start(self, layout: str, option: int) -> None:
-        self.cache = build(layout, option)
+        self.cache = build(layout, option if layout == "vattention" else option % 3)
         self.capacity = self.cache.free_capacity()
+        self.salts: dict[int, str | None] = {}
+        self.history: list[tuple[tuple[int, ...], str | None]] = []  # computed prompts, for prefix hits
 
     def teardown(self) -> None:
         if self.cache is None:
@@ -85,6 +100,11 @@ class ContractLifecycle(RuleBasedStateMachine):
             self.cache.free(seq_id)
         assert self.cache.free_capacity() == self.capacity  # nothing leaked
         assert self.cache.usage() == 0 and self.cache.memory().used_bytes == 0
+        if isinstance(self.cache, VAttentionKVCache):
+            self.cache.trim(force=True)
+            assert all(r == 0 for r in self.cache.pool.refcount)  # every reference returned
+            assert self.cache.pool.free_count == self.cache.pool.num_sets
+            assert self.cache.stats().units_kept == 0
         self.cache.close()
 
     # ---------------------------------------------------------------- helpers
@@ -121,22 +141,26 @@ class ContractLifecycle(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
     @rule(
-        base=st.sampled_from([[1] * 40, [1, 2] * 20, [3, 2, 1] * 14]),
-        length=st.integers(1, 40),
+        base=st.sampled_from([[1] * 72, [1, 2] * 36, [3, 2, 1] * 24]),
+        length=st.integers(1, 72),
         tail=st.lists(st.integers(1, 3), max_size=4),
+        salt=st.sampled_from([None, None, "tenant-a"]),
     )
-    def admit(self, base: list[int], length: int, tail: list[int]) -> None:
+    def admit(self, base: list[int], length: int, tail: list[int], salt: str | None) -> None:
         """Prompts often share prefixes, so that prefix-cache hits happen where there is one."""
-        prompt = (base[:length] + tail)[:length]
+        self.admit_prompt((base[:length] + tail)[:length], salt)
+
+    def admit_prompt(self, prompt: list[int], salt: str | None) -> None:
         promised = self.cache.can_admit(len(prompt))
         before = self.observe()
         try:
-            cached = self.cache.admit(self.next_id, prompt)
+            cached = self.cache.admit(self.next_id, prompt, cache_salt=salt)
         except OutOfKVMemory:
             assert not promised and self.observe() == before
             return
         assert 0 <= cached < len(prompt)
         self.tokens[self.next_id], self.computed[self.next_id] = list(prompt), cached
+        self.salts[self.next_id] = salt
         self.next_id += 1
 
     @precondition(lambda self: self.resident())
@@ -170,6 +194,17 @@ class ContractLifecycle(RuleBasedStateMachine):
         self.cache.finish_step(plan)
         for s in steps:
             self.computed[s.seq_id] = s.context_len
+            self.history = [*self.history[-15:], (tuple(self.tokens[s.seq_id]), self.salts[s.seq_id])]
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data(), cut=st.sampled_from([32, 64, -1, -2]), tail=st.lists(st.integers(1, 3), max_size=3))
+    def admit_again(self, data: st.DataObject, cut: int, tail: list[int]) -> None:
+        """A prompt repeating what some sequence computed (a page-aligned part of it, or all but
+        the end), with or without a tail and under its salt or none: where hits happen."""
+        tokens, salt = data.draw(st.sampled_from(self.history))
+        prompt = list(tokens[:cut]) + tail
+        if prompt:
+            self.admit_prompt(prompt, data.draw(st.sampled_from([salt, None])))
 
     @precondition(lambda self: self.computed_resident())
     @rule(data=st.data())
@@ -179,6 +214,7 @@ class ContractLifecycle(RuleBasedStateMachine):
         if self.unchanged_on_failure(self.cache.fork, parent, self.next_id):
             self.tokens[self.next_id] = list(self.tokens[parent])
             self.computed[self.next_id] = self.computed[parent]
+            self.salts[self.next_id] = self.salts[parent]
             self.next_id += 1
 
     @precondition(lambda self: self.tokens)
@@ -200,13 +236,14 @@ class ContractLifecycle(RuleBasedStateMachine):
     def preempt_by_recompute(self, data: st.DataObject) -> None:
         """The scheduler's recompute: free the sequence, admit its tokens again as a new one."""
         seq_id = data.draw(st.sampled_from(self.resident()))
-        tokens = self.tokens[seq_id]
+        tokens, salt = self.tokens[seq_id], self.salts[seq_id]
         self.free_sequence(seq_id)
         try:
-            cached = self.cache.admit(self.next_id, tokens)
+            cached = self.cache.admit(self.next_id, tokens, cache_salt=salt)
         except OutOfKVMemory:
             return
         self.tokens[self.next_id], self.computed[self.next_id] = list(tokens), cached
+        self.salts[self.next_id] = salt
         self.next_id += 1
 
     @precondition(lambda self: self.resident())
@@ -225,6 +262,14 @@ class ContractLifecycle(RuleBasedStateMachine):
         if self.unchanged_on_failure(self.cache.swap_in, group):
             self.swapped.difference_update(group)
 
+    @precondition(lambda self: isinstance(self.cache, VAttentionKVCache))
+    @rule()
+    def evict(self) -> None:
+        """Memory pressure from outside: every kept page (idle slots, cached chunks) goes at once;
+        what running sequences hold is untouched (the next step's attention checks it)."""
+        self.cache.trim(force=True)
+        assert self.cache.stats().units_kept == 0
+
     # ------------------------------------------------------------- invariants
     @invariant()
     def accounting_is_consistent(self) -> None:
@@ -237,6 +282,28 @@ class ContractLifecycle(RuleBasedStateMachine):
         assert memory.used_bytes <= resident_tokens * SHAPE.bytes_per_token
         assert 0 <= stats.units_in_use <= min(stats.units_peak, stats.units_total)
         assert 0 <= stats.prefix_cache_hits <= stats.prefix_cache_queries
+
+    @invariant()
+    def shared_pages_are_counted(self) -> None:
+        """vattention: a set's count is the slots mapping it plus the prefix index; the free list
+        is exactly the sets nobody holds; the driver maps exactly the slots' pages; different
+        salts never share a page."""
+        cache = self.cache
+        if not isinstance(cache, VAttentionKVCache):
+            return
+        pool, table = cache.pool, cache.table
+        holders = table.mappers()
+        for chunk in cache.prefix.chunks.values() if cache.prefix is not None else []:
+            for s in chunk.sets:
+                holders[s] = holders.get(s, 0) + 1
+        assert all(pool.refcount[s] == holders.get(s, 0) for s in range(pool.num_sets))
+        assert pool.free_count == sum(1 for r in pool.refcount if r == 0)
+        assert cache.driver.stats.pages_mapped == sum(len(s.sets) for s in table.slots) * cache.geometry.units
+        pages: dict[str | None, set[int]] = {}
+        for seq_id in self.resident():
+            pages.setdefault(self.salts[seq_id], set()).update(table.slots[cache.seqs[seq_id].slot].sets)
+        groups = list(pages.values())
+        assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1 :])
 
 
 ContractLifecycle.TestCase.settings = settings(

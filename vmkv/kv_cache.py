@@ -163,6 +163,13 @@ class KVStats:
     fork_shared_pages: int | None = None
     fork_copied_pages: int | None = None
     mapper_errors: int | None = None
+    # vattention sharing: gauges, then event counts (cow_copies, prefix_cache_evictions and
+    # hash_collisions below are shared with paged)
+    units_kept: int | None = None  # of units_in_use, held only for reuse (idle slots, cached chunks)
+    shared_pages: int | None = None  # physical pages mapped by more than one sequence
+    bytes_saved: int | None = None  # physical bytes those mappings would take unshared
+    page_sets_trimmed: int | None = None  # kept sets unmapped by the idle policy
+    pages_returned: int | None = None  # pages whose memory went back to the OS
     # paged: blocks, copy-on-write, prefix cache
     blocks_allocated: int | None = None
     blocks_cached_free: int | None = None

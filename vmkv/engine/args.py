@@ -106,7 +106,7 @@ def add_engine_arguments(
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=d.enable_prefix_caching,
-        help="reuse the KV of cached prompt prefixes (paged mode)",
+        help="reuse the KV of cached prompt prefixes (paged and vattention modes)",
     )
     add("seed", "--seed", type=int, default=d.seed, help="sampling seed of requests that give none")
     add(

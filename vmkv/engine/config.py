@@ -31,7 +31,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     block_size: int = 16  # paged layout only
     page_size: int | None = None  # vattention layout only, in bytes; None: the layout's default
-    enable_prefix_caching: bool = True  # paged layout only
+    enable_prefix_caching: bool = True  # paged and vattention layouts
     seed: int = 0  # for requests that give no seed of their own
     # torch's intra-op threads for the engine's process; None leaves torch's default (one per core)
     num_threads: int | None = None

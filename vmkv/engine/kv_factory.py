@@ -12,12 +12,19 @@ from vmkv.vattention import VAttentionKVCache
 def build_kv_cache(config: EngineConfig, shape: KVShape, model_id: str) -> KVCache:
     """A cache of config.kv_budget_bytes holding sequences up to config.max_model_len tokens.
 
-    model_id keys the paged prefix cache, so blocks are never shared across models.
+    model_id keys both prefix caches (paged's blocks, vattention's chunks of pages), so KV is
+    never shared across models; a request's cache_salt keys it per tenant.
     """
     if config.kv_mode == "vattention":
         options = {} if config.page_size is None else {"page_size": config.page_size}
         return VAttentionKVCache(
-            shape, config.max_model_len, config.kv_budget_bytes, config.device, **options
+            shape,
+            config.max_model_len,
+            config.kv_budget_bytes,
+            config.device,
+            model_id=model_id,
+            prefix_caching=config.enable_prefix_caching,
+            **options,
         )
     if config.kv_mode == "paged":
         return PagedKVCache(

@@ -15,6 +15,12 @@ The vAttention optimisations, each a VAttentionConfig switch:
   under pressure they are reclaimed (idle slots first) before memory is reported short;
 - eager_steps: map pages that many tokens beyond what the sequence needs now.
 
+Sharing: one physical page set may back the same pages of several slots (a fork's written
+pages, a prefix hit's cached chunks; prefix.py, sharing.py), counted per set in the pool. A
+shared page is never written: only pages wholly below a sequence's written tokens are shared,
+a step writes at or past them (prepare() checks), and the one write that would land in a
+shared page (a prompt cached whole) gets a private copy first (copy-on-write).
+
 Thread safety: one lock guards every piece of state and every map/unmap. The mapper
 takes it per job and checks the slot's generation, so it cannot race a free.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -37,8 +44,11 @@ from vmkv.vattention import swap
 from vmkv.vattention.ahead import MapAhead
 from vmkv.vattention.budget import size_cache
 from vmkv.vattention.config import VAttentionConfig
+from vmkv.vattention.kept import Trimmer, memory_pressure, trim
 from vmkv.vattention.mapper import BackgroundMapper, MapJob
 from vmkv.vattention.mapping import SlotMapping
+from vmkv.vattention.prefix import PrefixIndex
+from vmkv.vattention.sharing import place_with_hits, sharing_gauges
 from vmkv.vattention.slots import SlotSeq, SlotTable
 
 _RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # the step thread's own faults
@@ -60,10 +70,12 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         *,
         driver: MemoryDriver | None = None,
         config: VAttentionConfig | None = None,
+        model_id: str = "",
         **options: object,
     ) -> None:
         """Build over `driver`, or over a driver of kv_budget_bytes for `device` when none is given
-        (HostDriver on CPU; CudaDriver with 2 MiB pages on a GPU).
+        (HostDriver on CPU; CudaDriver with 2 MiB pages on a GPU). model_id and a request's
+        cache_salt make the prefix-cache identity.
 
         options override VAttentionConfig fields (page_size=..., background_mapping=False, ...).
         """
@@ -81,13 +93,19 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             cfg.combined_reservation,
         )
         self.pool = self.mapping.pool
-        self.table = SlotTable(self.mapping, cfg)
+        self.model_id = model_id
+        self.prefix = PrefixIndex(self.geometry, self.pool) if cfg.prefix_caching else None
+        self.table = SlotTable(self.mapping, cfg, self.prefix)
         self.seqs = self.table.seqs  # by id; read them, change them only through the contract
         self._ahead = MapAhead(self.table)
         self._use_flash = cfg.use_flash_attn and flash_usable(self.device, shape.dtype)
         self._kernels = decode_kernels(cfg.attention, self.device, shape, self._use_flash)
         self._closed = False
         self._mapper = BackgroundMapper(self._run_job) if cfg.background_mapping else None
+        self._trimmer = None
+        if cfg.kept_idle_seconds is not None or cfg.pressure_min_available > 0:
+            interval = min(1.0, max(0.05, (cfg.kept_idle_seconds or 4.0) / 4))
+            self._trimmer = Trimmer(self._trim_if_due, interval)
 
     # ------------------------------------------------------------ lifecycle
     def can_admit(self, num_tokens: int) -> bool:
@@ -106,17 +124,34 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             self._check_open()
             if seq_id in self.seqs:
                 raise ValueError(f"sequence {seq_id} is already in the cache")
-            needed = self.geometry.pages_for(len(token_ids))
-            slot = self.table.pick(needed)
-            if slot is None:
-                raise OutOfKVMemory(1, 0, "slots")
-            self.table.require(needed - len(slot.sets), exclude=slot)
-            reused = min(needed, len(slot.sets))
-            self.table.back(slot, needed, len(token_ids), self._mapper is None)  # a failed map leaves it idle
-            self.mapping.events.page_sets_reused += reused
-            self.table.assign(slot, seq_id)
-            self.seqs[seq_id] = SlotSeq(slot.index, len(token_ids))
-        return 0
+            seq = SlotSeq(-1, len(token_ids))
+            cached = 0
+            if self.prefix is not None:
+                seq.token_ids, seq.identity = list(token_ids), (self.model_id, cache_salt)
+                seq.hashes = self.prefix.hashes(seq.token_ids, seq.identity, [])
+                hits = self.prefix.match(seq.token_ids, seq.hashes, seq.identity)
+                if hits:
+                    cached = place_with_hits(self.table, self.prefix, seq_id, seq, hits)
+            if seq.slot < 0:
+                self._place(seq_id, seq)
+            if self.prefix is not None:
+                self.prefix.events.prefix_cache_queries += len(token_ids)
+                self.prefix.events.prefix_cache_hits += cached
+            self.seqs[seq_id] = seq
+        return cached
+
+    def _place(self, seq_id: int, seq: SlotSeq) -> None:
+        """Place a sequence none of whose prompt is cached: an idle slot, its kept pages reused."""
+        needed = self.geometry.pages_for(seq.length)
+        slot = self.table.pick(needed)
+        if slot is None:
+            raise OutOfKVMemory(1, 0, "slots")
+        self.table.require(needed - len(slot.sets), exclude=slot)
+        reused = min(needed, len(slot.sets))
+        self.table.back(slot, needed, seq.length, self._mapper is None)  # a failed map leaves it idle
+        self.mapping.events.page_sets_reused += reused
+        self.table.assign(slot, seq_id)
+        seq.slot = slot.index
 
     def grow(self, seq_id: int, token_ids: Sequence[int]) -> None:
         with self._lock:
@@ -128,6 +163,9 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             self.table.require(needed - len(slot.sets), exclude=slot)
             self.table.back(slot, needed, length, self._mapper is None)
             seq.length = length
+            if self.prefix is not None:
+                seq.token_ids += token_ids
+                seq.hashes = self.prefix.hashes(seq.token_ids, seq.identity, seq.hashes)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child maps the parent's full written pages (shared, immutable) and copies the rest."""
@@ -140,9 +178,12 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
     def free(self, seq_id: int) -> None:
         with self._lock:
             seq = self._get(seq_id)
+            if self.prefix is not None:
+                self.prefix.touch(self.prefix.held_by(seq.hashes, seq.keys))
             if seq.slot >= 0:
                 slot = self.table.slots[seq.slot]
-                shared = any(self.pool.refcount[s] > 1 for s in slot.sets)  # must never be rewritten
+                # a set someone else holds (a fork, the prefix cache) must never be rewritten
+                shared = any(self.pool.refcount[s] > 1 for s in slot.sets)
                 self.table.release(slot, keep_pages=self.config.deferred_reclamation and not shared)
             del self.seqs[seq_id]
 
@@ -164,7 +205,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         geo = self.geometry
         with self._lock:
             held = self.pool.num_sets - self.pool.free_count
-            double = sum(r - 1 for r in self.pool.refcount if r > 1)
+            double = sum(c - 1 for c in self.table.mappers().values())  # tokens counted in each mapper
             tokens = sum(s.length for s in self.seqs.values() if s.slot >= 0)
             return KVMemory(
                 reserved_bytes=geo.num_tensors * geo.tensor_bytes,
@@ -177,6 +218,8 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         counted once; pages_mapped counts mappings, so a page a fork shares counts twice."""
         units, pool = self.geometry.units, self.pool
         with self._lock:
+            shared, saved = sharing_gauges(self.table)
+            prefix = dataclasses.asdict(self.prefix.events) if self.prefix is not None else {}
             return KVStats(
                 unit="page",
                 units_total=pool.num_sets * units,
@@ -186,8 +229,12 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
                 page_sets_total=self.pool.num_sets,
                 page_sets_free=self.pool.free_count,
                 page_sets_idle_kept=sum(len(s.sets) for s in self.table.idle()),
+                units_kept=self.table.kept() * units,
+                shared_pages=shared,
+                bytes_saved=saved,
                 mapper_errors=len(self._mapper.errors) if self._mapper else 0,
                 **dataclasses.asdict(self.mapping.events),
+                **prefix,
             )
 
     # ----------------------------------------------------------- preemption
@@ -216,6 +263,10 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
                         f"sequence {s.seq_id} writes up to token {s.context_len} "
                         f"but holds room for {seq.length}"
                     )
+                first = s.num_cached * geo.column_token_bytes // geo.page_size
+                sets = slots[seq.slot].sets
+                if first < len(sets) and self.pool.refcount[sets[first]] > 1:
+                    raise ValueError(f"sequence {s.seq_id} would write into a shared page (page {first})")
                 if self.config.debug:
                     self.mapping.assert_backed(slots[seq.slot], s.context_len)
             kernel = self._kernels is not None and self._kernels.enabled
@@ -255,12 +306,36 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         return out
 
     def finish_step(self, plan: DenseSlotPlan) -> None:
-        """Every layer wrote the step's tokens: from now on a fork may share their full pages."""
+        """Every layer wrote the step's tokens: from now on a fork may share their full pages,
+        and the prefix cache indexes the chunks they complete."""
         with self._lock:
             for s in plan.batch.steps:
                 seq = self.seqs.get(s.seq_id)
                 if seq is not None and seq.slot >= 0:
                     seq.written = max(seq.written, s.context_len)
+                    if self.prefix is not None:
+                        sets = self.table.slots[seq.slot].sets
+                        self.prefix.add(seq.token_ids, seq.hashes, seq.keys, sets, seq.written, seq.identity)
+
+    def trim(self, force: bool = False) -> int:
+        """Apply the kept-pages policy now (kept.py): unmap kept sets beyond the watermark that
+        were idle for kept_idle_seconds (any, with force) and give unused memory back to the OS.
+        Returns the page sets unmapped. The trimmer thread calls it; so may an operator."""
+        cfg = self.config
+        with self._lock:
+            if self._closed:
+                return 0
+            idle_before = None
+            if not force:
+                if cfg.kept_idle_seconds is None:
+                    return 0
+                idle_before = time.monotonic() - cfg.kept_idle_seconds
+            done = trim(self.table, int(cfg.kept_watermark * self.pool.num_sets), idle_before)
+            self.mapping.return_memory()
+            return done
+
+    def _trim_if_due(self) -> None:
+        self.trim(force=memory_pressure(self.config.pressure_min_available))
 
     def wait_mapper(self) -> None:
         """Block until the background mapper has run every job submitted so far."""
@@ -273,8 +348,12 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             return
         if self._mapper is not None:
             self._mapper.close()
+        if self._trimmer is not None:
+            self._trimmer.close()
         with self._lock:
             self._closed = True
+            if self.prefix is not None:
+                self.prefix.clear()
             self.mapping.give_back()
 
     def slot_pages(self, seq_id: int) -> int:

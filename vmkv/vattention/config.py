@@ -33,9 +33,22 @@ class VAttentionConfig:
     # where it can be built (bf16/fp16/fp32, head_dim a multiple of 16, a C compiler), else sdpa
     attention: str = "auto"
     debug: bool = False  # verify every range a kernel reads is mapped
+    # automatic prefix caching: full chunks of written pages are indexed by a hash chain of their
+    # tokens and the cache identity; a new prompt maps its longest verified cached prefix (prefix.py)
+    prefix_caching: bool = False
+    # pages kept for reuse (idle slots, cached chunks nobody maps; kept.py): up to this fraction of
+    # the page sets stays; beyond it, sets idle this long go back to the OS (None: never on time),
+    # and at once while the machine's available memory is under pressure_min_available of its total
+    kept_watermark: float = 0.25
+    kept_idle_seconds: float | None = 30.0
+    pressure_min_available: float = 0.05
 
     def __post_init__(self) -> None:
         if self.eager_steps < 0:
             raise ValueError(f"eager_steps must be >= 0, got {self.eager_steps}")
+        if not 0 <= self.kept_watermark <= 1:
+            raise ValueError(f"kept_watermark must be in [0, 1], got {self.kept_watermark}")
+        if self.kept_idle_seconds is not None and self.kept_idle_seconds < 0:
+            raise ValueError(f"kept_idle_seconds must be >= 0, got {self.kept_idle_seconds}")
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {self.attention!r}")

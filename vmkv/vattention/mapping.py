@@ -30,6 +30,7 @@ class Slot:
     seq_id: int | None = None  # None: idle (it may still keep pages)
     generation: int = 0  # bumped whenever the owner changes; stale mapper jobs compare it
     pinned: int = 0  # pages the current step's plan reads; never reclaimed under it
+    idle_since: float = 0.0  # monotonic seconds when it last became idle (trimming's clock)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class MappingEvents:
     minor_faults: int = 0
     fork_shared_pages: int = 0
     fork_copied_pages: int = 0
+    cow_copies: int = 0  # pages given a private copy before a write (a whole-prompt prefix hit)
+    page_sets_trimmed: int = 0  # kept sets unmapped by the idle policy (kept.py)
+    pages_returned: int = 0  # pages whose memory went back to the OS (idle trimming)
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
 
@@ -160,6 +164,43 @@ class SlotMapping:
                 from_ = geo.page_offset(src.index, c, 0) + start
                 data[to : to + nbytes].copy_(data[from_ : from_ + nbytes])
 
+    def read_pages(self, slot: Slot, first: int, count: int) -> list[torch.Tensor]:
+        """Copies of pages first..first+count-1 of every column of every tensor (copy-on-write)."""
+        geo = self.geometry
+        out = []
+        for data in self._bytes:
+            for c in range(geo.columns):
+                at = geo.page_offset(slot.index, c, first)
+                out.append(data[at : at + count * geo.page_size].clone())
+        return out
+
+    def write_pages(self, slot: Slot, first: int, saved: list[torch.Tensor]) -> None:
+        """Write read_pages' copies back at the same pages (now mapped to other sets)."""
+        geo = self.geometry
+        pieces = iter(saved)
+        for data in self._bytes:
+            for c in range(geo.columns):
+                piece = next(pieces)
+                at = geo.page_offset(slot.index, c, first)
+                data[at : at + piece.numel()].copy_(piece)
+
+    def return_memory(self) -> None:
+        """Give the memory of every free set that was used back to the OS.
+
+        Only over a driver this cache built: punching frees pages to the driver's pool and
+        takes the same ones back at once, which is safe only when nobody else allocates there.
+        """
+        sets = self.pool.resident_free()
+        if not self._owns_driver or not sets:
+            return
+        pages = [self.pool.physical(s, u) for s in sets for u in range(self.geometry.units)]
+        self.driver.free(pages, punch=True)
+        again = self.driver.alloc(len(pages))
+        if sorted(again) != sorted(pages):  # nobody else allocates from a driver the cache built
+            raise RuntimeError("the driver handed back other pages after a punch")
+        self.pool.returned(sets)
+        self.events.pages_returned += len(pages)
+
     def assert_backed(self, slot: Slot, num_tokens: int) -> None:
         """Raise unless every byte of the slot's first num_tokens is mapped (config.debug)."""
         geo = self.geometry
@@ -179,4 +220,3 @@ class SlotMapping:
         for res in {r for r, _ in self.placed}:
             self.driver.release(res)
         self.driver.free(self._pages)
-

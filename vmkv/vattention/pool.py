@@ -27,6 +27,7 @@ class PageSetPool:
         self._free_count = self.num_sets
         self.refcount = [0] * self.num_sets
         self.peak_held = 0  # most sets held at once
+        self._resident = np.zeros(self.num_sets, dtype=bool)  # taken since its memory last went back
 
     @property
     def free_count(self) -> int:
@@ -52,6 +53,7 @@ class PageSetPool:
                 i = int(after.argmax())
                 want = want + i if after[i] else int(self._free.argmax())
             self._free[want] = False
+            self._resident[want] = True
             self.refcount[want] = 1
             out.append(want)
             want = (want + 1) % self.num_sets
@@ -67,12 +69,20 @@ class PageSetPool:
         i = int((ends - starts).argmax())
         return int(starts[i] + ends[i]) // 2 if starts[i] else 0  # a run at the very start begins at 0
 
+    def resident_free(self) -> list[int]:
+        """Free sets whose memory the OS may still back (used since it last went back)."""
+        return np.flatnonzero(self._free & self._resident).tolist()
+
+    def returned(self, set_ids: list[int]) -> None:
+        """These free sets' memory went back to the OS."""
+        self._resident[set_ids] = False
+
     def share(self, set_id: int) -> None:
-        """One more slot maps this set (fork)."""
+        """One more holder of this set: a slot mapping it (fork, prefix hit) or the prefix index."""
         self.refcount[set_id] += 1
 
     def release(self, set_id: int) -> None:
-        """One slot stopped mapping this set; the last one returns it to the free list."""
+        """One holder let go of this set; the last one returns it to the free list."""
         self.refcount[set_id] -= 1
         if self.refcount[set_id] == 0:
             self._free[set_id] = True

@@ -9,13 +9,16 @@ before memory is reported short. The caller holds the cache's lock around every 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from vmkv.kv_cache import OutOfKVMemory
+from vmkv.prefix_cache import BlockKey, CacheIdentity
 from vmkv.vattention.config import VAttentionConfig
 from vmkv.vattention.mapping import Slot, SlotMapping
+from vmkv.vattention.prefix import PrefixIndex
 
 
 @dataclass
@@ -26,11 +29,16 @@ class SlotSeq:
     length: int  # tokens reserved: prompt + every grow
     written: int = 0  # tokens some finished step has written; fork shares only pages below this
     host_kv: torch.Tensor | None = None  # [tensors, length, Hkv, D] while swapped out
+    # prefix caching only: the tokens, their chunk hashes, and the keys of its written chunks
+    token_ids: list[int] = field(default_factory=list)
+    identity: CacheIdentity = ("", None)
+    hashes: list[int] = field(default_factory=list)
+    keys: list[BlockKey] = field(default_factory=list)
 
 
 class SlotTable:
-    def __init__(self, mapping: SlotMapping, config: VAttentionConfig) -> None:
-        self.mapping, self.config = mapping, config
+    def __init__(self, mapping: SlotMapping, config: VAttentionConfig, prefix: PrefixIndex | None) -> None:
+        self.mapping, self.config, self.prefix = mapping, config, prefix
         self.geometry, self.pool = mapping.geometry, mapping.pool
         self.slots = [Slot(i) for i in range(self.geometry.max_slots)]
         self.seqs: dict[int, SlotSeq] = {}
@@ -58,6 +66,7 @@ class SlotTable:
         slot.seq_id = None
         slot.generation += 1
         slot.pinned = 0
+        slot.idle_since = time.monotonic()
         if not keep_pages:
             self.mapping.drop_pages(slot, 0)
 
@@ -75,7 +84,15 @@ class SlotTable:
         self.require(copied, exclude=[])  # the chosen slot's kept pages count: they are dropped
         mapping.drop_pages(slot, 0)
         self.assign(slot, child_id)
-        self.seqs[child_id] = SlotSeq(slot.index, parent.length, parent.written)
+        self.seqs[child_id] = SlotSeq(
+            slot.index,
+            parent.length,
+            parent.written,
+            token_ids=list(parent.token_ids),
+            identity=parent.identity,
+            hashes=list(parent.hashes),
+            keys=list(parent.keys),
+        )
         try:
             if shared:
                 for set_id in shared:
@@ -90,6 +107,33 @@ class SlotTable:
         mapping.copy_pages(src, slot, len(shared), copied)
         mapping.events.fork_shared_pages += len(shared) * geo.units
         mapping.events.fork_copied_pages += copied * geo.units
+
+    def map_cached(self, slot: Slot, sets: list[int]) -> None:
+        """Map cached page sets at an empty slot's first pages (a prefix hit): one holder more each.
+        A failed map gives the references back (map_sets releases what it was given)."""
+        for set_id in sets:
+            self.pool.share(set_id)
+        self.mapping.map_sets(slot, sets, background=False)
+
+    def copy_on_write(self, slot: Slot, first: int) -> None:
+        """Before a write lands in the slot's shared pages from `first` on, give it private
+        copies: the bytes are saved, the shared sets unmapped (one holder less each), fresh sets
+        mapped at the same pages and the bytes written back. Nobody else sees any change. The
+        caller checked that the fresh sets can be found (require)."""
+        count = len(slot.sets) - first
+        saved = self.mapping.read_pages(slot, first, count)
+        self.mapping.drop_pages(slot, first)
+        self.mapping.map_sets(slot, self.take(count, slot), background=False)
+        self.mapping.write_pages(slot, first, saved)
+        self.mapping.events.cow_copies += count * self.geometry.units
+
+    def mappers(self) -> dict[int, int]:
+        """How many slots map each page set that some slot maps."""
+        count: dict[int, int] = {}
+        for slot in self.slots:
+            for set_id in slot.sets:
+                count[set_id] = count.get(set_id, 0) + 1
+        return count
 
     def pin(self, seqs: list[SlotSeq]) -> None:
         """The step's plan reads these sequences' pages: none of them is reclaimed under it."""
@@ -127,9 +171,20 @@ class SlotTable:
         return max(0, len(slot.sets) - max(self.geometry.pages_for(seq.length), slot.pinned))
 
     def available(self, exclude: Slot | list[Slot] | None = None) -> int:
-        """Free page sets plus those reclaimable outside `exclude`."""
+        """Free page sets plus those reclaimable outside `exclude` (evictable cached chunks too)."""
         skip = {s.index for s in (exclude if isinstance(exclude, list) else [exclude]) if s is not None}
-        return self.pool.free_count + sum(self.reclaimable(s) for s in self.slots if s.index not in skip)
+        cached = self.prefix.evictable_sets() if self.prefix is not None else 0
+        return (
+            self.pool.free_count
+            + cached
+            + sum(self.reclaimable(s) for s in self.slots if s.index not in skip)
+        )
+
+    def kept(self) -> int:
+        """Page sets held only for reuse: idle slots' (deferred reclamation) and cached chunks
+        nobody maps. All of them go back at once under pressure."""
+        cached = self.prefix.evictable_sets() if self.prefix is not None else 0
+        return cached + sum(len(s.sets) for s in self.idle())
 
     def require(self, missing: int, exclude: Slot | list[Slot]) -> None:
         """Raise OutOfKVMemory, before any change, unless `missing` page sets can be found."""
@@ -140,13 +195,23 @@ class SlotTable:
                 raise OutOfKVMemory(missing * units, available * units, "pages")
 
     def _reclaim(self, n: int, exclude: Slot) -> None:
-        """Free n page sets: idle slots' kept pages first (highest slot first), then mapped-ahead pages."""
-        order = sorted(self.slots, key=lambda s: (s.seq_id is not None, -s.index))
-        for slot in order:
+        """Free n page sets: idle slots' kept pages first (highest slot first), then cached
+        chunks (least recently used first), then running sequences' mapped-ahead pages."""
+        idle = sorted(self.idle(), key=lambda s: -s.index)
+        running = sorted((s for s in self.slots if s.seq_id is not None), key=lambda s: -s.index)
+        n = self._drop(idle, n, exclude)
+        if n > 0 and self.prefix is not None:
+            n -= self.prefix.evict(n)
+        self._drop(running, n, exclude)
+
+    def _drop(self, slots: list[Slot], n: int, exclude: Slot | None) -> int:
+        """Reclaim up to n page sets from the slots' tails, in order; returns how many are still missing."""
+        for slot in slots:
             if n <= 0:
-                return
+                break
             take = min(n, self.reclaimable(slot)) if slot is not exclude else 0
             if take:
                 self.mapping.drop_pages(slot, len(slot.sets) - take)
                 self.mapping.events.page_sets_reclaimed += take
                 n -= take
+        return n

@@ -1,0 +1,226 @@
+"""Sharing in vattention: prefix hits map cached physical pages into the new sequence's own
+virtual range, a write never lands in a shared page (copy-on-write), salts and models never
+share, hits are verified against token ids, cached chunks are evicted least recently used, and
+kept pages go back after their idle time. The engine's greedy outputs are the same with sharing
+on and off, and the same as paged mode's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vmkv import LLM, SamplingParams, prefix_cache
+from vmkv.kv_cache import KVShape, SeqStep, StepBatch
+from vmkv.vattention import VAttentionKVCache
+from vmkv.vattention.geometry import SlotGeometry
+from vmkv.vattention.prefix import chunk_pages
+
+SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)  # 128 B a token a tensor
+PAGE = 4096  # token-major: 32 tokens a page, one page a chunk
+UNITS = 2 * SHAPE.num_layers
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def make_cache(sets: int = 8, **options: object) -> VAttentionKVCache:
+    opts = {
+        "page_size": PAGE,
+        "order": "token",
+        "background_mapping": False,
+        "prefix_caching": True,
+        "kept_idle_seconds": None,
+        "pressure_min_available": 0.0,
+    } | options
+    return VAttentionKVCache(SHAPE, 128, sets * UNITS * PAGE, model_id="m", **opts)  # type: ignore[arg-type]
+
+
+def compute(cache: VAttentionKVCache, seq_id: int, start: int, end: int, seed: int) -> None:
+    """One step writing random K/V for tokens start..end-1 of the sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    plan = cache.prepare(StepBatch.build([SeqStep(seq_id, start, end - start)]))
+    for layer in range(SHAPE.num_layers):
+        k, v = (torch.randn(end - start, 2, 16, generator=gen) for _ in range(2))
+        cache.attend(layer, torch.randn(end - start, 4, 16, generator=gen), k, v, plan, 0.25)
+    cache.finish_step(plan)
+
+
+def keys(cache: VAttentionKVCache, seq_id: int, n: int) -> torch.Tensor:
+    return cache.mapping.k[0][cache.seqs[seq_id].slot, :n].clone()
+
+
+def test_a_hit_maps_the_same_physical_pages_and_computes_only_the_rest() -> None:
+    cache = make_cache()
+    prompt = list(range(1, 81))
+    assert cache.admit(0, prompt) == 0
+    compute(cache, 0, 0, 80, seed=0)
+    assert cache.admit(1, prompt[:70] + [999]) == 64  # two whole chunks of 32
+    a, b = (cache.table.slots[cache.seqs[i].slot].sets for i in (0, 1))
+    assert a[:2] == b[:2] and not set(a[2:]) & set(b[2:])
+    torch.testing.assert_close(keys(cache, 1, 64), keys(cache, 0, 64), rtol=0, atol=0)
+    stats = cache.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (80 + 71, 64)
+    assert stats.shared_pages == 2 * UNITS and stats.bytes_saved == 2 * UNITS * PAGE
+    compute(cache, 1, 64, 71, seed=1)  # writes past the shared pages only
+    torch.testing.assert_close(keys(cache, 1, 64), keys(cache, 0, 64), rtol=0, atol=0)
+    cache.free(0)
+    cache.free(1)
+    assert cache.stats().units_kept == cache.stats().units_in_use  # only cached chunks are left
+    cache.close()
+
+
+def test_a_prompt_cached_whole_copies_the_page_its_last_token_writes() -> None:
+    cache = make_cache()
+    prompt = list(range(1, 65))
+    cache.admit(0, prompt)
+    compute(cache, 0, 0, 64, seed=0)
+    before = keys(cache, 0, 64)
+    assert cache.admit(1, prompt) == 63  # the last token is always computed
+    assert cache.stats().cow_copies == UNITS  # one page in every tensor, then remapped
+    a, b = (cache.table.slots[cache.seqs[i].slot].sets for i in (0, 1))
+    assert a[0] == b[0] and a[1] != b[1]
+    torch.testing.assert_close(keys(cache, 1, 64), before, rtol=0, atol=0)  # the copy has the data
+    compute(cache, 1, 63, 64, seed=5)
+    torch.testing.assert_close(keys(cache, 0, 64), before, rtol=0, atol=0)  # the original is untouched
+    cache.close()
+
+
+def test_a_step_never_writes_into_a_shared_page() -> None:
+    cache = make_cache()
+    cache.admit(0, list(range(1, 41)))
+    compute(cache, 0, 0, 40, seed=0)
+    with pytest.raises(ValueError, match="shared page"):
+        cache.prepare(StepBatch.build([SeqStep(0, 10, 30)]))  # page 0 is indexed: it is shared
+    cache.close()
+
+
+def test_salts_and_models_never_share() -> None:
+    cache = make_cache()
+    prompt = list(range(1, 41))
+    cache.admit(0, prompt, cache_salt="a")
+    compute(cache, 0, 0, 40, seed=0)
+    assert cache.admit(1, prompt, cache_salt="b") == 0
+    assert cache.admit(2, prompt) == 0
+    assert cache.admit(3, prompt, cache_salt="a") == 32
+    assert cache.seqs[3].identity == ("m", "a")  # the model's identity keys every chunk too
+    cache.close()
+
+
+def test_a_forced_hash_collision_is_detected_and_never_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent, tokens, identity: 42)
+    cache = make_cache()
+    cache.admit(0, list(range(1, 41)))
+    compute(cache, 0, 0, 40, seed=0)
+    assert cache.admit(1, list(range(2, 42))) == 0  # same hash, other tokens: a miss
+    assert cache.stats().hash_collisions == 1
+    cache.close()
+
+
+def test_cached_chunks_are_evicted_least_recently_used_first() -> None:
+    cache = make_cache(sets=5)
+    prompts = [[p] * 40 for p in (1, 2, 3)]
+    for i, prompt in enumerate(prompts):
+        cache.admit(i, prompt)
+        compute(cache, i, 0, 40, seed=i)
+        cache.free(i)
+    assert len(cache.prefix.chunks) == 3
+    assert cache.admit(10, prompts[0]) == 32  # prompt 0 is used again: now the most recent
+    cache.free(10)
+    cache.admit(11, [9] * 128)  # needs 4 of the 5 sets: two chunks must go, the oldest first
+    assert cache.stats().prefix_cache_evictions == 2
+    cache.free(11)
+    assert cache.admit(12, prompts[0]) == 32
+    assert cache.admit(13, prompts[2]) == 0
+    cache.close()
+
+
+def test_a_fork_shares_written_pages_and_copies_the_partly_filled_last_one() -> None:
+    cache = make_cache()
+    cache.admit(0, list(range(1, 41)))
+    compute(cache, 0, 0, 40, seed=0)
+    cache.fork(0, 1)
+    a, b = (cache.table.slots[cache.seqs[i].slot].sets for i in (0, 1))
+    assert a[0] == b[0] and a[1] != b[1]
+    assert cache.pool.refcount[a[0]] == 3  # two slots and the prefix index
+    torch.testing.assert_close(keys(cache, 1, 40), keys(cache, 0, 40), rtol=0, atol=0)
+    cache.close()
+
+
+def test_kept_pages_beyond_the_watermark_go_back_after_their_idle_time() -> None:
+    cache = make_cache(kept_watermark=0.25, kept_idle_seconds=0.0)  # 2 of 8 sets may stay
+    for i in range(3):
+        cache.admit(i, [i + 1] * 60)
+        compute(cache, i, 0, 60, seed=i)
+    for i in range(3):
+        cache.free(i)
+    assert cache.stats().units_kept == 3 * UNITS  # each left one cached chunk; private pages went back
+    assert cache.trim() == 1
+    stats = cache.stats()
+    assert stats.units_kept == 2 * UNITS and stats.page_sets_trimmed == 1
+    assert stats.pages_returned > 0 and cache.driver.stats.pages_punched == stats.pages_returned
+    assert cache.admit(9, [3] * 60) == 32  # the most recent chunk stayed
+    cache.close()
+
+
+def test_deferred_reclamation_keeps_idle_slots_until_the_trim() -> None:
+    cache = make_cache(prefix_caching=False, kept_watermark=0.0, kept_idle_seconds=3600.0)
+    cache.admit(0, [1] * 100)
+    cache.free(0)
+    assert cache.stats().units_kept == 4 * UNITS and cache.trim() == 0  # not idle long enough
+    assert cache.trim(force=True) == 4 and cache.stats().units_kept == 0
+    cache.close()
+
+
+@pytest.mark.parametrize(("order", "pages", "tokens"), [("token", 3, 512), ("head", 1, 512)])
+def test_chunk_granularity_at_the_default_page_size(order: str, pages: int, tokens: int) -> None:
+    """SmolLM2-135M in bf16: 384 B a token token-major (pages end mid-token), 128 B a head."""
+    smollm = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    geo = SlotGeometry(smollm, 2048, 1, 64 * 1024, order)
+    assert chunk_pages(geo) == pages
+    assert pages * geo.page_size // geo.column_token_bytes == tokens
+
+
+# ------------------------------------------------------------------------------ the engine
+def engine(model_dir: Path, kv_mode: str, prefix: bool) -> LLM:
+    return LLM(
+        str(model_dir),
+        kv_mode=kv_mode,
+        dtype="float32",
+        kv_budget_bytes=1 << 22,
+        max_model_len=384,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        page_size=4096,
+        block_size=16,
+        enable_prefix_caching=prefix,
+    )
+
+
+def test_engine_outputs_are_identical_with_sharing_on_and_off_and_to_paged(tiny_model_dir: Path) -> None:
+    """A shared ~200-token prefix (three requests, the later ones admitted after the first
+    finished, so they hit) and n = 4 samples of one prompt, greedy, fp32."""
+    prefix = [(7 * i) % 300 + 3 for i in range(200)]
+    prompts = [prefix + [11, 12, 13], prefix + [21, 22], prefix[:150] + [31]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    samples = SamplingParams(n=4, temperature=0.0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for name, kv_mode, on in [
+        ("on", "vattention", True),
+        ("off", "vattention", False),
+        ("paged", "paged", True),
+    ]:
+        llm = engine(tiny_model_dir, kv_mode, on)
+        first = llm.generate(prompts[0], greedy)[0].outputs[0].token_ids
+        rest = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], greedy)]
+        forked = [o.token_ids for o in llm.generate(prompts[1], samples)[0].outputs]
+        stats = llm.engine.cache.stats()
+        results[name] = ([first, *rest], forked)
+        if name == "on":
+            assert stats.prefix_cache_hits >= 2 * 192  # the later requests found the prefix
+            assert stats.fork_shared_pages > 0
+        if name == "off":
+            assert stats.prefix_cache_hits == 0
+        llm.close()
+    assert results["on"] == results["off"] == results["paged"]
+    assert all(f == results["on"][0][1] for f in results["on"][1])

@@ -1,0 +1,70 @@
+"""Pages kept for reuse, and when they go back (issue 15's idle memory).
+
+Deferred reclamation (idle slots keep their pages mapped) and prefix caching (chunks nobody
+maps stay indexed) both keep memory that no sequence uses. One policy bounds both: up to a
+watermark of the page sets may stay kept; beyond it, kept sets idle longer than the idle time
+are unmapped (least recently used first) and, with every other free set that was used, their
+memory goes back to the OS. Under memory pressure from the machine's other tenants the idle
+time does not wait. Under pressure from this cache's own allocations nothing changes: kept
+sets are reclaimed at once, as before (slots.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from vmkv.vattention.slots import SlotTable
+
+
+def trim(table: SlotTable, watermark_sets: int, idle_before: float | None) -> int:
+    """Unmap kept sets beyond watermark_sets, idle since idle_before (None: any); returns how many."""
+    excess = table.kept() - watermark_sets
+    if excess <= 0:
+        return 0
+    done = 0
+    idle = sorted((s for s in table.idle() if s.sets), key=lambda s: s.idle_since)
+    for slot in idle:
+        if excess - done <= 0 or (idle_before is not None and slot.idle_since > idle_before):
+            break
+        n = min(excess - done, len(slot.sets))
+        table.mapping.drop_pages(slot, len(slot.sets) - n)
+        done += n
+    if excess - done > 0 and table.prefix is not None:
+        done += table.prefix.evict(excess - done, idle_before)
+    table.mapping.events.page_sets_trimmed += done
+    return done
+
+
+def memory_pressure(min_available: float) -> bool:
+    """Whether the machine's available memory is below min_available of its total (Linux)."""
+    if min_available <= 0:
+        return False
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[1:]}
+    except OSError:
+        return False
+    return info.get("MemAvailable", 0) < min_available * info.get("MemTotal", 0)
+
+
+class Trimmer:
+    """A daemon thread calling `work` every `interval` seconds until closed."""
+
+    def __init__(self, work: Callable[[], None], interval: float) -> None:
+        self._work, self._interval = work, interval
+        self._stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name="vattention-trimmer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._work()
+            except Exception as e:  # trimming is housekeeping; the next round tries again
+                self.errors.append(e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()

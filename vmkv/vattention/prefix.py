@@ -1,0 +1,163 @@
+"""Automatic prefix caching for vattention: cached chunks of page sets, found by the shared
+hash chain (vmkv/prefix_cache.py) and verified against token ids, evicted least recently used.
+
+The mechanism differs from paged's: a hit maps the cached chunk's physical pages into the new
+sequence's own virtual range, so stock kernels read shared KV as one contiguous tensor.
+
+A chunk is the fewest pages per column that end on a token boundary, so no token of a cached
+chunk spills into a page the next sequence writes: head-major pages hold whole tokens (one page
+per chunk); token-major ones may end mid-token (SmolLM2: 384 B tokens in 64 KiB pages, a chunk
+is 3 pages = 512 tokens). Invariants, under the cache's lock:
+- the index holds one reference on each set of each chunk it holds, so pool.refcount[s] is the
+  number of slots mapping s plus one while s is indexed;
+- only chunks wholly below a sequence's written tokens are indexed, and a sequence only ever
+  writes at or beyond its written tokens, so a cached page is never written;
+- a chunk is evictable exactly when the index is its only holder (refcount one).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vmkv.prefix_cache import BlockKey, CacheIdentity, chain_hashes
+from vmkv.vattention.geometry import SlotGeometry
+from vmkv.vattention.pool import PageSetPool
+
+
+def chunk_pages(geometry: SlotGeometry) -> int:
+    """Pages per column of one chunk: the fewest that end on a token boundary."""
+    return math.lcm(geometry.page_size, geometry.column_token_bytes) // geometry.page_size
+
+
+@dataclass(eq=False)
+class CachedChunk:
+    block_hash: int
+    key: BlockKey  # what the hash stands for; compared on every hit
+    sets: list[int]  # the chunk's page sets, in page order
+    last_used: float  # monotonic seconds; also the idle clock of issue-15 trimming
+
+
+@dataclass
+class PrefixEvents:
+    """Event counts (KVStats fields of the same names)."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which were mapped from the cache
+    prefix_cache_evictions: int = 0  # chunks given up
+    hash_collisions: int = 0  # equal hash, different prefix: detected, never shared
+
+
+class PrefixIndex:
+    """Cached chunks by hash, least recently used first."""
+
+    def __init__(self, geometry: SlotGeometry, pool: PageSetPool) -> None:
+        self.pool = pool
+        self.pages = chunk_pages(geometry)
+        self.tokens = self.pages * geometry.page_size // geometry.column_token_bytes
+        self.chunks: OrderedDict[int, CachedChunk] = OrderedDict()
+        self.events = PrefixEvents()
+
+    def hashes(self, token_ids: Sequence[int], identity: CacheIdentity, known: list[int]) -> list[int]:
+        """The chunk hashes of token_ids, extending those already `known` for its first chunks."""
+        parent = known[-1] if known else None
+        return known + chain_hashes(token_ids, self.tokens, identity, parent, len(known))
+
+    def match(
+        self, token_ids: Sequence[int], hashes: list[int], identity: CacheIdentity
+    ) -> list[CachedChunk]:
+        """The cached chunks holding the longest prefix of token_ids, each verified by its key."""
+        hits: list[CachedChunk] = []
+        parent: BlockKey | None = None
+        for i, block_hash in enumerate(hashes):
+            chunk = self.chunks.get(block_hash)
+            if chunk is None:
+                break
+            if not chunk.key.matches(parent, token_ids[i * self.tokens : (i + 1) * self.tokens], identity):
+                self.events.hash_collisions += 1
+                break
+            hits.append(chunk)
+            parent = chunk.key
+        return hits
+
+    def add(
+        self,
+        token_ids: Sequence[int],
+        hashes: list[int],
+        keys: list[BlockKey],
+        sets: list[int],
+        written: int,
+        identity: CacheIdentity,
+    ) -> None:
+        """Index a sequence's chunks that are now wholly written (keys: its chunks so far).
+
+        A chunk another sequence computed the same already is not indexed twice: the sequence
+        adopts that key (its own pages stay private). A collision is counted and skipped.
+        """
+        now = time.monotonic()
+        for i in range(len(keys), min(written // self.tokens, len(hashes))):
+            parent = keys[-1] if keys else None
+            tokens = tuple(token_ids[i * self.tokens : (i + 1) * self.tokens])
+            cached = self.chunks.get(hashes[i])
+            if cached is None:
+                key = BlockKey(parent, tokens, identity)
+                chunk_sets = sets[i * self.pages : (i + 1) * self.pages]
+                for s in chunk_sets:
+                    self.pool.share(s)
+                self.chunks[hashes[i]] = CachedChunk(hashes[i], key, chunk_sets, now)
+            elif cached.key.matches(parent, tokens, identity):
+                key = cached.key
+            else:
+                self.events.hash_collisions += 1
+                key = BlockKey(parent, tokens, identity)
+            keys.append(key)
+
+    def touch(self, chunks: Sequence[CachedChunk]) -> None:
+        """Mark chunks used now, the last one least recent: eviction then gives up a prefix's
+        tail before its head, which more requests share."""
+        now = time.monotonic()
+        for chunk in reversed(chunks):
+            chunk.last_used = now
+            self.chunks.move_to_end(chunk.block_hash)
+
+    def held_by(self, hashes: Sequence[int], keys: Sequence[BlockKey]) -> list[CachedChunk]:
+        """The indexed chunks whose key a sequence holds (it computed or hit them)."""
+        out = []
+        for block_hash, key in zip(hashes, keys, strict=False):
+            chunk = self.chunks.get(block_hash)
+            if chunk is not None and chunk.key is key:
+                out.append(chunk)
+        return out
+
+    def evictable(self, chunk: CachedChunk) -> bool:
+        return self.pool.refcount[chunk.sets[0]] == 1
+
+    def evictable_sets(self) -> int:
+        return sum(len(c.sets) for c in self.chunks.values() if self.evictable(c))
+
+    def evict(self, n: int, idle_before: float | None = None) -> int:
+        """Give up least recently used evictable chunks until n sets are free (or, with
+        idle_before, only chunks unused since then); returns the sets freed."""
+        freed = 0
+        for chunk in list(self.chunks.values()):
+            if freed >= n:
+                break
+            if idle_before is not None and chunk.last_used > idle_before:
+                break
+            if self.evictable(chunk):
+                del self.chunks[chunk.block_hash]
+                for s in chunk.sets:
+                    self.pool.release(s)
+                self.events.prefix_cache_evictions += 1
+                freed += len(chunk.sets)
+        return freed
+
+    def clear(self) -> None:
+        """Drop every chunk's reference (close)."""
+        for chunk in self.chunks.values():
+            for s in chunk.sets:
+                self.pool.release(s)
+        self.chunks.clear()

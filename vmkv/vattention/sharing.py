@@ -1,0 +1,64 @@
+"""Placing a sequence whose prompt starts with cached chunks (a prefix hit): the cached page sets
+are mapped into its own slot, so its KV is one contiguous virtual run like any other, and only
+the rest of the prompt is computed. The caller holds the cache's lock."""
+
+from __future__ import annotations
+
+from vmkv.kv_cache import OutOfKVMemory
+from vmkv.vattention.prefix import CachedChunk, PrefixIndex
+from vmkv.vattention.slots import SlotSeq, SlotTable
+
+
+def place_with_hits(
+    table: SlotTable, prefix: PrefixIndex, seq_id: int, seq: SlotSeq, hits: list[CachedChunk]
+) -> int:
+    """Map the hits' pages and back the rest of the prompt; returns the tokens already cached
+    (0 when no hit fits: the caller then places the sequence as a new one).
+
+    The last prompt token is always computed (its logits sample the next token). When the hits
+    cover the whole prompt, the pages that token's write touches get private copies first
+    (copy-on-write), so a cached page is never written. Hits are dropped from the end while
+    the pages they need cannot be found; cached chunks nobody maps count as free until we map them.
+    """
+    geo, length = table.geometry, seq.length
+    idle = table.idle()
+    if not idle:
+        raise OutOfKVMemory(1, 0, "slots")
+    slot = min(idle, key=lambda s: (len(s.sets), s.index))  # its kept pages are dropped
+    while hits:
+        hit_pages = len(hits) * prefix.pages
+        cached = min(len(hits) * prefix.tokens, length - 1)
+        first_write = cached * geo.column_token_bytes // geo.page_size
+        cow = max(0, hit_pages - first_write)
+        fresh = geo.pages_for(length) - hit_pages + cow
+        taken = sum(len(c.sets) for c in hits if prefix.evictable(c))
+        if fresh <= table.available(exclude=[]) - taken:
+            break
+        hits.pop()
+    if not hits:
+        return 0
+    table.mapping.drop_pages(slot, 0)
+    table.assign(slot, seq_id)
+    seq.slot = slot.index
+    try:
+        table.map_cached(slot, [s for chunk in hits for s in chunk.sets])
+        if cow:
+            table.copy_on_write(slot, first_write)
+        table.back(slot, geo.pages_for(length), length, eager=False)
+    except BaseException:
+        table.release(slot)
+        seq.slot = -1
+        raise
+    seq.written = cached
+    seq.keys = [chunk.key for chunk in hits]
+    prefix.touch(hits)
+    return cached
+
+
+def sharing_gauges(table: SlotTable) -> tuple[int, int]:
+    """(pages mapped by more than one slot, bytes that sharing saves now): what the slots map
+    minus the distinct pages behind it."""
+    units, size = table.geometry.units, table.geometry.page_size
+    counts = table.mappers().values()
+    shared = sum(1 for c in counts if c > 1)
+    return shared * units, sum(c - 1 for c in counts) * units * size
