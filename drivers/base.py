@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vmkv import faults
+
 from .errors import (
     AlreadyMappedError,
     DriverClosedError,
@@ -113,6 +115,7 @@ class MemoryDriver(ABC):
         self._map_count = [0] * num_pages  # how many offsets map each pool page (aliasing)
         self._reservations: set[Reservation] = set()
         self._closed = False
+        self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
 
     # ----------------------------------------------------------------- raw hooks
     @abstractmethod
@@ -235,6 +238,8 @@ class MemoryDriver(ABC):
             for i in range(first, first + len(pages)):
                 if i in res.mapped:
                     raise AlreadyMappedError(f"offset {i * self.page_size:#x} is already mapped")
+            if self._faults is not None:  # after validation: an injected failure maps nothing
+                self._faults.on_map()
             step = runs(pages) if self.merges_runs else [(i, 1) for i in range(len(pages))]
             for start, length in step:
                 addr = res.base + (first + start) * self.page_size

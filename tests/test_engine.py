@@ -331,17 +331,19 @@ def test_oracle_counts_near_ties_apart_from_mismatches() -> None:
 def test_async_engine_fails_the_requests_of_a_broken_step_and_keeps_serving(
     tiny_model_dir: Path, prompts: list[list[int]]
 ) -> None:
+    """A step that raises outside the model forward (which is retried: tests/test_faults.py)
+    fails the requests in flight and the engine serves the next ones."""
     engine = AsyncLLM(model=str(tiny_model_dir), dtype="float32", kv_budget_bytes=1 << 22, max_model_len=128)
-    execute = engine.engine.runner.execute
+    schedule = engine.engine.scheduler.schedule
     calls = []
 
-    def broken_once(*args: object) -> torch.Tensor:
+    def broken_once() -> object:
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("kernel exploded")
-        return execute(*args)
+        return schedule()
 
-    engine.engine.runner.execute = broken_once
+    engine.engine.scheduler.schedule = broken_once
 
     async def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=4)

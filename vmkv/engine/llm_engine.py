@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
 import torch
 
+from vmkv import faults
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.engine_info import EngineInfo
@@ -30,6 +32,9 @@ from vmkv.engine.structured_output import GrammarCompiler
 from vmkv.kv_cache import KVMemory, KVStats
 from vmkv.model.store import load_tokenizer, resolve_model
 
+# a request whose step's forward raised is retried (recomputed) up to this many times in a row,
+# then fails
+FORWARD_RETRIES = 1
 # how long a step with nothing to run but grammars being compiled waits for one
 GRAMMAR_WAIT_SECONDS = 0.05
 
@@ -92,6 +97,8 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.peak_running_seqs = 0
+        self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
+        self._forward_failures: dict[str, int] = {}  # request id -> failed forwards in a row
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -165,13 +172,9 @@ class LLMEngine:
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """Finish every live request with FinishReason.ERROR (after a step raised)."""
-        outputs = []
-        for group in list(self._groups.values()):
+        for group in self._groups.values():
             group.error = reason
-            self.grammars.discard(group)
-            self.scheduler.finish(group, FinishReason.ERROR)
-            outputs.append(self._retire(group))
-        return outputs
+        return self._fail(list(self._groups.values()), reason)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.grammars.num_pending > 0
@@ -197,7 +200,13 @@ class LLMEngine:
             if item.seq.num_computed < item.seq.prompt_len:
                 self.prompt_tokens += min(item.num_new, item.seq.prompt_len - item.seq.num_computed)
 
-        logits = self.runner.execute(self.cache, sched.scheduled)
+        try:
+            logits = self.runner.execute(self.cache, sched.scheduled)
+        except Exception as error:  # noqa: BLE001 - the step's requests are retried or fail; others carry on
+            return self._checked(outputs + self._retry_or_fail(sched.scheduled, error))
+        if self._forward_failures:  # a forward that went through: the count starts again
+            for item in sched.scheduled:
+                self._forward_failures.pop(self._group_of[item.seq.seq_id].request_id, None)
         _advance(sched.scheduled)
         self.peak_running_seqs = max(self.peak_running_seqs, self.scheduler.num_running_seqs)
 
@@ -209,20 +218,21 @@ class LLMEngine:
         ]
         if row_index != list(range(len(sampling))):
             logits = logits[torch.tensor(row_index, device=logits.device)]
-        result = self.sampler(logits, rows)
+        token_ids, logprobs_rows, failed = self._sample(logits, rows, groups)
+        outputs += self._fail(failed.values(), "sampling failed")
         self.generation_tokens += len(row_seqs)
         now = time.monotonic()
-        for seq, group, token, logprobs in zip(
-            row_seqs, groups, result.token_ids, result.logprobs, strict=True
-        ):
+        for seq, group, token, logprobs in zip(row_seqs, groups, token_ids, logprobs_rows, strict=True):
+            if group.finished:  # its sampling failed
+                continue
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             self._append_token(seq, group, token, logprobs)
 
-        for group in {id(g): g for g in groups}.values():
+        for group in {id(g): g for g in groups if id(g) not in failed}.values():
             self.scheduler.release_finished(group)
             outputs.append(self._retire(group) if group.finished else group.output())
-        return outputs
+        return self._checked(outputs)
 
     def stats(self) -> EngineStats:
         kv = self.cache.stats()
@@ -249,6 +259,69 @@ class LLMEngine:
         self.cache.close()
 
     # ------------------------------------------------------------- helpers
+    def _checked(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's outputs, after the allocator self-check when fault injection asks for it."""
+        if self._faults is not None and self._faults.check_invariants:
+            faults.check_engine(self)
+        return outputs
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SampleRow], groups: list[SequenceGroup]
+    ) -> tuple[list[int], list[dict[int, float] | None], dict[int, SequenceGroup]]:
+        """(token, logprobs) per row, and the groups whose sampling failed (by id). When the
+        batch's sampling raises, each row is sampled alone, so only the requests at fault
+        fail; a grammar row may have accepted its token before the failure, so one fails too."""
+        try:
+            result = self.sampler(logits, rows)
+            return result.token_ids, result.logprobs, {}
+        except Exception as error:  # noqa: BLE001 - find the rows at fault below
+            batch_error = error
+        token_ids, logprobs_rows, failed = [], [], {}
+        for i, (row, group) in enumerate(zip(rows, groups, strict=True)):
+            try:
+                if row.grammar is not None:
+                    raise batch_error
+                result = self.sampler(logits[i : i + 1], [row])
+                token_ids.append(result.token_ids[0])
+                logprobs_rows.append(result.logprobs[0])
+            except Exception as error:  # noqa: BLE001 - this request's own failure
+                group.error = f"sampling failed: {error!r}"
+                failed[id(group)] = group
+                token_ids.append(-1)
+                logprobs_rows.append(None)
+        return token_ids, logprobs_rows, failed
+
+    def _retry_or_fail(self, scheduled: list[ScheduledSeq], error: Exception) -> list[RequestOutput]:
+        """After a forward that raised: each of the step's requests is preempted (its KV freed,
+        to be recomputed; nothing of the step was marked written, see KVCache.finish_step) and
+        retried, unless its forwards already failed FORWARD_RETRIES times in a row: that one fails."""
+        groups = {id(g): g for g in (self._group_of[s.seq.seq_id] for s in scheduled)}.values()
+        failed = []
+        for group in sorted(groups, key=lambda g: g.arrival, reverse=True):  # oldest ends in front
+            tries = self._forward_failures.get(group.request_id, 0) + 1
+            self._forward_failures[group.request_id] = tries
+            if tries > FORWARD_RETRIES:
+                failed.append(group)
+                continue
+            for seq in group.seqs:  # recompute whatever the preemption mode: drop the step's KV
+                if seq.num_allocated:
+                    self.cache.free(seq.seq_id)
+                seq.reset_cache_state()
+            self.scheduler.running.remove(group)
+            group.status = RequestStatus.PREEMPTED
+            self.scheduler.waiting.appendleft(group)
+        return self._fail(failed, f"the model forward failed {FORWARD_RETRIES + 1} times: {error!r}")
+
+    def _fail(self, groups: Iterable[SequenceGroup], reason: str) -> list[RequestOutput]:
+        """Finish `groups` with FinishReason.ERROR, freeing their KV; keeps an error already set."""
+        outputs = []
+        for group in groups:
+            group.error = group.error or reason
+            self.grammars.discard(group)
+            self.scheduler.finish(group, FinishReason.ERROR)
+            outputs.append(self._retire(group))
+        return outputs
+
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hand requests whose grammar is now compiled to the scheduler (a grammar that failed to
         compile fails its request). With nothing else to run, wait a little for a compile."""
@@ -329,14 +402,17 @@ class LLMEngine:
             return
         seq.text += delta
         # as vLLM: no stop string ends a sample before min_tokens (the sampler masks the stop ids)
-        if params.stop and seq.num_output >= params.min_tokens and (
-            stop := find_stop(seq.text, params.stop, len(delta))
+        if (
+            params.stop
+            and seq.num_output >= params.min_tokens
+            and (stop := find_stop(seq.text, params.stop, len(delta)))
         ):
             at, seq.stop_reason = stop
             seq.text = seq.text[:at]
             seq.finish_reason = FinishReason.STOP
 
     def _retire(self, group: SequenceGroup) -> RequestOutput:
+        self._forward_failures.pop(group.request_id, None)
         group.metrics.finished_time = time.monotonic()
         del self._groups[group.request_id]
         for seq in group.seqs:

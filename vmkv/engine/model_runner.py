@@ -14,6 +14,7 @@ from itertools import chain
 
 import torch
 
+from vmkv import faults
 from vmkv.engine.attention_hook import ATTENTION_NAME, step_context
 from vmkv.engine.compiled import compile_decoder, compiled_stance
 from vmkv.engine.config import EngineConfig
@@ -58,6 +59,7 @@ class ModelRunner:
         compiled = compile_decoder(self.decoder, self.device) if config.compile_model else None
         self.compiled = compiled is not None
         self._forward = self.decoder if compiled is None else compiled
+        self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
 
     @torch.inference_mode()
     def execute(self, cache: KVCache, scheduled: list[ScheduledSeq]) -> torch.Tensor:
@@ -83,6 +85,8 @@ class ModelRunner:
             )
 
         plan = cache.prepare(batch)
+        if self._faults is not None:
+            self._faults.on_forward()
         with step_context(cache, plan), compiled_stance() if self.compiled else nullcontext():
             hidden = self._forward(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vmkv import faults
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.structured_output import GrammarState, apply_token_bitmask, new_token_bitmask
 
@@ -49,10 +50,13 @@ class Sampler:
         # for rows without a seed of their own
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = sorted(eos_token_ids)  # masked, with stop_token_ids, until min_tokens
+        self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         """logits: float32 [S, V], one row per entry of `rows`. Logprobs come from these raw
         logits; tokens from the processed ones. Rows with a grammar accept their token here."""
+        if self._faults is not None:
+            self._faults.on_sample(rows)
         raw = logits
         processed = [i for i, r in enumerate(rows) if r.params.processes_logits]
         blocked: set[int] = set()

@@ -1,0 +1,126 @@
+"""Fault injection under load, offline, in every KV mode: a driver whose map calls fail as if out
+of memory and are slow (vattention, the layout that maps), model forwards that raise, one
+request's sampler failing. The requests at fault fail with a clear error or are retried; every
+other request gives exactly the output of a run without faults; the allocator's self-check holds
+after every step; afterwards nothing is held."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from vmkv import faults
+from vmkv.engine import LLM, SamplingParams
+from vmkv.engine.config import KV_MODES
+from vmkv.faults import Faults, InvariantError, check_engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+POISON = 7  # a token id: sampling any prompt that holds it raises
+MAX_TOKENS = 12
+# Tiny model, fp32: 512 B of KV per token. 48 KiB holds 96 tokens, far fewer than the requests
+# need together, so vattention (4 KiB pages) and paged (16-token blocks) preempt.
+SMALL_BUDGET = 48 * 1024
+VATTENTION_BUDGET = 160 * 1024  # five 64-token slots' page sets
+
+
+def make_llm(model_dir: Path, kv_mode: str) -> LLM:
+    budget = {"vattention": VATTENTION_BUDGET, "paged": SMALL_BUDGET, "contiguous": 1 << 16}[kv_mode]
+    return LLM(
+        str(model_dir),
+        kv_mode=kv_mode,
+        dtype="float32",
+        kv_budget_bytes=budget,
+        max_model_len=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        page_size=4096,
+    )
+
+
+def workload(count: int = 10, seed: int = 0) -> tuple[list[list[int]], set[int]]:
+    """Token-id prompts of 5..40 tokens without POISON, and the indices given one in the middle."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(8, 200) for _ in range(rng.randrange(5, 40))] for _ in range(count)]
+    poisoned = {1, 6}
+    for i in poisoned:
+        prompts[i][len(prompts[i]) // 2] = POISON
+    return prompts, poisoned
+
+
+def test_the_spec_parses_and_unknown_faults_are_refused() -> None:
+    parsed = Faults.parse("map_enomem_every=3, map_delay_ms=0.5,forward_fail_every=9,check_invariants=1")
+    assert (parsed.map_enomem_every, parsed.map_delay_ms, parsed.forward_fail_every) == (3, 0.5, 9)
+    assert parsed.check_invariants and parsed.sample_poison_token == -1
+    with pytest.raises(ValueError, match="unknown fault 'map_fail'"):
+        Faults.parse("map_fail=1")
+    assert faults.active() is None  # off unless asked for: production paths see None
+
+
+@pytest.mark.parametrize("kv_mode", KV_MODES)
+def test_under_faults_only_the_requests_at_fault_fail_and_nothing_leaks(
+    tiny_model_dir: Path, kv_mode: str
+) -> None:
+    prompts, poisoned = workload()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    clean = make_llm(tiny_model_dir, kv_mode)
+    expected = [o.outputs[0].token_ids for o in clean.generate(prompts, params)]
+    clean.close()
+
+    maps = {"map_enomem_every": 11, "map_delay_ms": 0.2} if kv_mode == "vattention" else {}
+    injected = Faults(forward_fail_every=9, sample_poison_token=POISON, check_invariants=True, **maps)
+    with faults.install(injected):
+        llm = make_llm(tiny_model_dir, kv_mode)
+    outputs = llm.generate(prompts, params)
+    stats = llm.engine.stats()
+    check_engine(llm.engine)
+    llm.close()
+
+    for i, out in enumerate(outputs):
+        sample = out.outputs[0]
+        if i in poisoned:
+            assert sample.finish_reason == "error" and "injected fault" in out.error, out
+        else:
+            assert (sample.finish_reason, sample.token_ids) == ("length", expected[i]), (i, out.error)
+    assert injected.injected["sample"] >= len(poisoned)
+    assert injected.injected["forward"] >= 2  # each retried: the requests in it still completed
+    if kv_mode == "vattention":
+        assert injected.injected["map_enomem"] >= 1
+    assert stats.memory.used_bytes == 0 and stats.num_running_seqs == 0
+    assert not llm.engine.cache.seqs and stats.free_tokens == llm.engine.info.capacity_tokens
+
+
+def test_a_forward_that_keeps_failing_fails_its_requests_with_the_reason(tiny_model_dir: Path) -> None:
+    with faults.install(Faults(forward_fail_every=1, check_invariants=True)):
+        llm = make_llm(tiny_model_dir, "paged")
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert out.outputs[0].finish_reason == "error"
+    assert "the model forward failed 2 times" in out.error and "injected fault" in out.error
+    assert llm.engine.stats().memory.used_bytes == 0
+    llm.close()
+
+
+def test_the_self_check_catches_a_leaked_sequence(tiny_model_dir: Path) -> None:
+    llm = make_llm(tiny_model_dir, "paged")
+    check_engine(llm.engine)
+    llm.engine.cache.admit(999, [5, 6, 7])  # KV no request owns: a leak
+    with pytest.raises(InvariantError, match="no live request owns"):
+        check_engine(llm.engine)
+    llm.close()
+
+
+@pytest.mark.xfail(
+    strict=True, reason="the scheduler fails a request alone in the cache on any OutOfKVMemory"
+)
+def test_a_transient_enomem_while_alone_is_retried_not_failed(tiny_model_dir: Path) -> None:
+    """An ENOMEM from the driver (the machine short of memory for a moment) while a request runs
+    alone makes the scheduler fail it as "needs more KV memory than the whole cache holds"; with
+    every 6th map failing, every request of the workload fails. It should wait and retry."""
+    prompts, _ = workload()
+    with faults.install(Faults(map_enomem_every=6, check_invariants=True)):
+        llm = make_llm(tiny_model_dir, "vattention")
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    llm.close()
+    assert [o.error for o in outputs] == [None] * len(prompts)
