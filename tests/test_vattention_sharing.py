@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from vmkv.drivers import HostDriver
 
 from vmkv import LLM, SamplingParams, prefix_cache
 from vmkv.kv_cache import KVShape, SeqStep, StepBatch
 from vmkv.vattention import VAttentionKVCache
+from vmkv.vattention import cache as vattention_cache
 from vmkv.vattention.geometry import SlotGeometry
 from vmkv.vattention.prefix import chunk_pages
 
@@ -33,7 +35,8 @@ def make_cache(sets: int = 8, **options: object) -> VAttentionKVCache:
         "kept_idle_seconds": None,
         "pressure_min_available": 0.0,
     } | options
-    return VAttentionKVCache(SHAPE, 128, sets * UNITS * PAGE, model_id="m", **opts)  # type: ignore[arg-type]
+    budget = None if "driver" in opts else sets * UNITS * PAGE
+    return VAttentionKVCache(SHAPE, 128, budget, model_id="m", **opts)  # type: ignore[arg-type]
 
 
 def compute(cache: VAttentionKVCache, seq_id: int, start: int, end: int, seed: int) -> None:
@@ -224,3 +227,42 @@ def test_engine_outputs_are_identical_with_sharing_on_and_off_and_to_paged(tiny_
         llm.close()
     assert results["on"] == results["off"] == results["paged"]
     assert all(f == results["on"][0][1] for f in results["on"][1])
+
+
+def test_memory_pressure_trims_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = make_cache(prefix_caching=False, kept_watermark=0.0, kept_idle_seconds=3600.0)
+    cache.admit(0, [1] * 100)
+    cache.free(0)
+    monkeypatch.setattr(vattention_cache, "memory_pressure", lambda fraction: True)
+    cache._trim_if_due()  # what the trimmer thread runs each second
+    assert cache.stats().units_kept == 0 and cache.stats().pages_returned == 4 * UNITS
+    cache.close()
+
+
+class OnePagePerCallDriver(HostDriver):
+    """CUDA's mapping rules on host memory: one page per map call, and memory kept on free."""
+
+    merges_runs = False
+
+    def _raw_punch(self, page: int) -> None:
+        pass
+
+
+def test_sharing_under_cuda_mapping_rules() -> None:
+    """The same code path CudaDriver takes: pages mapped one per call at several offsets."""
+    driver = OnePagePerCallDriver(8 * UNITS, PAGE)
+    cache = make_cache(driver=driver)
+    prompt = list(range(1, 65))
+    cache.admit(0, prompt)
+    compute(cache, 0, 0, 64, seed=0)
+    before = keys(cache, 0, 64)
+    assert cache.admit(1, prompt) == 63 and cache.stats().cow_copies == UNITS
+    compute(cache, 1, 63, 64, seed=5)
+    torch.testing.assert_close(keys(cache, 0, 64), before, rtol=0, atol=0)
+    torch.testing.assert_close(keys(cache, 1, 63), before[:63], rtol=0, atol=0)
+    cache.free(0)
+    cache.free(1)
+    cache.trim(force=True)
+    assert cache.stats().pages_returned == 0  # a driver the cache was given keeps its memory
+    cache.close()
+    driver.close()

@@ -178,6 +178,8 @@ def layout_table(groups: Sequence[Group]) -> list[str]:
         "blocks allocated",
         "CoW copies",
         "prefix hit rate",
+        "prefix hits (tokens)",
+        "pages shared by forks",
         "swap out",
     ]
     rows = []
@@ -202,6 +204,8 @@ def layout_table(groups: Sequence[Group]) -> list[str]:
                 _counter(g, "blocks_allocated"),
                 _counter(g, "cow_copies"),
                 f"{hit:.1%}" if not math.isnan(hit) else "–",
+                _counter(g, "prefix_cache_hits"),
+                _counter(g, "fork_shared_pages"),
                 format_bytes(g.mean(lambda r: r.engine.kv.swap_out_bytes)),
             ]
         )

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import resource
 import threading
-import time
 from collections.abc import Sequence
 
 import torch
@@ -39,7 +38,7 @@ from vmkv.dense.attention import attend_dense, check_attend_args
 from vmkv.dense.plan import DenseSlotPlan, decode_kernels, flash_usable, plan_step
 from vmkv.dense.sequences import DenseSlotSequences
 from vmkv.drivers import MemoryDriver
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, StepBatch
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, StepBatch
 from vmkv.vattention import swap
 from vmkv.vattention.ahead import MapAhead
 from vmkv.vattention.budget import size_cache
@@ -133,25 +132,12 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
                 if hits:
                     cached = place_with_hits(self.table, self.prefix, seq_id, seq, hits)
             if seq.slot < 0:
-                self._place(seq_id, seq)
+                self.table.place(seq_id, seq, eager=self._mapper is None)
             if self.prefix is not None:
                 self.prefix.events.prefix_cache_queries += len(token_ids)
                 self.prefix.events.prefix_cache_hits += cached
             self.seqs[seq_id] = seq
         return cached
-
-    def _place(self, seq_id: int, seq: SlotSeq) -> None:
-        """Place a sequence none of whose prompt is cached: an idle slot, its kept pages reused."""
-        needed = self.geometry.pages_for(seq.length)
-        slot = self.table.pick(needed)
-        if slot is None:
-            raise OutOfKVMemory(1, 0, "slots")
-        self.table.require(needed - len(slot.sets), exclude=slot)
-        reused = min(needed, len(slot.sets))
-        self.table.back(slot, needed, seq.length, self._mapper is None)  # a failed map leaves it idle
-        self.mapping.events.page_sets_reused += reused
-        self.table.assign(slot, seq_id)
-        seq.slot = slot.index
 
     def grow(self, seq_id: int, token_ids: Sequence[int]) -> None:
         with self._lock:
@@ -321,18 +307,8 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         """Apply the kept-pages policy now (kept.py): unmap kept sets beyond the watermark that
         were idle for kept_idle_seconds (any, with force) and give unused memory back to the OS.
         Returns the page sets unmapped. The trimmer thread calls it; so may an operator."""
-        cfg = self.config
         with self._lock:
-            if self._closed:
-                return 0
-            idle_before = None
-            if not force:
-                if cfg.kept_idle_seconds is None:
-                    return 0
-                idle_before = time.monotonic() - cfg.kept_idle_seconds
-            done = trim(self.table, int(cfg.kept_watermark * self.pool.num_sets), idle_before)
-            self.mapping.return_memory()
-            return done
+            return 0 if self._closed else trim(self.table, force)
 
     def _trim_if_due(self) -> None:
         self.trim(force=memory_pressure(self.config.pressure_min_available))

@@ -12,28 +12,42 @@ sets are reclaimed at once, as before (slots.py).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from vmkv.vattention.slots import SlotTable
 
 
-def trim(table: SlotTable, watermark_sets: int, idle_before: float | None) -> int:
-    """Unmap kept sets beyond watermark_sets, idle since idle_before (None: any); returns how many."""
-    excess = table.kept() - watermark_sets
-    if excess <= 0:
+def trim(table: SlotTable, force: bool) -> int:
+    """Unmap kept sets beyond the watermark that were idle for kept_idle_seconds (any, with
+    force), then give the memory of used sets free that long back to the OS; returns the sets
+    unmapped. Sets just freed keep their memory: a busy cache takes them again soon."""
+    cfg = table.config
+    if not force and cfg.kept_idle_seconds is None:
         return 0
-    done = 0
+    idle_before = None if force else time.monotonic() - cfg.kept_idle_seconds
+    trimmed = _unmap_kept(table, int(cfg.kept_watermark * table.pool.num_sets), idle_before)
+    table.pool.backdate(trimmed)  # idle long while kept: their memory goes now too
+    table.mapping.return_memory(idle_before)
+    return len(trimmed)
+
+
+def _unmap_kept(table: SlotTable, watermark_sets: int, idle_before: float | None) -> list[int]:
+    """Unmap kept sets beyond watermark_sets, idle since idle_before (None: any): idle slots'
+    longest idle first, then cached chunks least recently used first; returns the sets."""
+    excess = table.kept() - watermark_sets
+    trimmed: list[int] = []
     idle = sorted((s for s in table.idle() if s.sets), key=lambda s: s.idle_since)
     for slot in idle:
-        if excess - done <= 0 or (idle_before is not None and slot.idle_since > idle_before):
+        if excess - len(trimmed) <= 0 or (idle_before is not None and slot.idle_since > idle_before):
             break
-        n = min(excess - done, len(slot.sets))
-        table.mapping.drop_pages(slot, len(slot.sets) - n)
-        done += n
-    if excess - done > 0 and table.prefix is not None:
-        done += table.prefix.evict(excess - done, idle_before)
-    table.mapping.events.page_sets_trimmed += done
-    return done
+        keep = len(slot.sets) - min(excess - len(trimmed), len(slot.sets))
+        trimmed += slot.sets[keep:]
+        table.mapping.drop_pages(slot, keep)
+    if excess - len(trimmed) > 0 and table.prefix is not None:
+        trimmed += table.prefix.evict(excess - len(trimmed), idle_before)
+    table.mapping.events.page_sets_trimmed += len(trimmed)
+    return trimmed
 
 
 def memory_pressure(min_available: float) -> bool:

@@ -184,13 +184,14 @@ class SlotMapping:
                 at = geo.page_offset(slot.index, c, first)
                 data[at : at + piece.numel()].copy_(piece)
 
-    def return_memory(self) -> None:
-        """Give the memory of every free set that was used back to the OS.
+    def return_memory(self, freed_before: float | None) -> None:
+        """Give the memory of free sets that were used, free since freed_before (None: any),
+        back to the OS.
 
         Only over a driver this cache built: punching frees pages to the driver's pool and
         takes the same ones back at once, which is safe only when nobody else allocates there.
         """
-        sets = self.pool.resident_free()
+        sets = self.pool.resident_free(freed_before)
         if not self._owns_driver or not sets:
             return
         pages = [self.pool.physical(s, u) for s in sets for u in range(self.geometry.units)]

@@ -9,6 +9,7 @@ maps in one call and the host kernel keeps as one mapping (VMA). vm.max_map_coun
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +29,7 @@ class PageSetPool:
         self.refcount = [0] * self.num_sets
         self.peak_held = 0  # most sets held at once
         self._resident = np.zeros(self.num_sets, dtype=bool)  # taken since its memory last went back
+        self._freed_at = np.zeros(self.num_sets)  # monotonic seconds it last became free
 
     @property
     def free_count(self) -> int:
@@ -69,9 +71,17 @@ class PageSetPool:
         i = int((ends - starts).argmax())
         return int(starts[i] + ends[i]) // 2 if starts[i] else 0  # a run at the very start begins at 0
 
-    def resident_free(self) -> list[int]:
-        """Free sets whose memory the OS may still back (used since it last went back)."""
-        return np.flatnonzero(self._free & self._resident).tolist()
+    def resident_free(self, freed_before: float | None) -> list[int]:
+        """Free sets whose memory the OS may still back (used since it last went back), free
+        since before freed_before (None: any)."""
+        idle = self._free & self._resident
+        if freed_before is not None:
+            idle &= self._freed_at <= freed_before
+        return np.flatnonzero(idle).tolist()
+
+    def backdate(self, set_ids: list[int]) -> None:
+        """Count these sets as free since long ago (they were idle while kept)."""
+        self._freed_at[set_ids] = 0.0
 
     def returned(self, set_ids: list[int]) -> None:
         """These free sets' memory went back to the OS."""
@@ -85,5 +95,6 @@ class PageSetPool:
         """One holder let go of this set; the last one returns it to the free list."""
         self.refcount[set_id] -= 1
         if self.refcount[set_id] == 0:
+            self._freed_at[set_id] = time.monotonic()
             self._free[set_id] = True
             self._free_count += 1

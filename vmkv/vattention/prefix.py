@@ -138,12 +138,12 @@ class PrefixIndex:
     def evictable_sets(self) -> int:
         return sum(len(c.sets) for c in self.chunks.values() if self.evictable(c))
 
-    def evict(self, n: int, idle_before: float | None = None) -> int:
+    def evict(self, n: int, idle_before: float | None = None) -> list[int]:
         """Give up least recently used evictable chunks until n sets are free (or, with
         idle_before, only chunks unused since then); returns the sets freed."""
-        freed = 0
+        freed: list[int] = []
         for chunk in list(self.chunks.values()):
-            if freed >= n:
+            if len(freed) >= n:
                 break
             if idle_before is not None and chunk.last_used > idle_before:
                 break
@@ -152,7 +152,7 @@ class PrefixIndex:
                 for s in chunk.sets:
                     self.pool.release(s)
                 self.events.prefix_cache_evictions += 1
-                freed += len(chunk.sets)
+                freed += chunk.sets
         return freed
 
     def clear(self) -> None:

@@ -56,6 +56,19 @@ class SlotTable:
             return enough[0]
         return min(idle, key=lambda s: (-len(s.sets), s.index))
 
+    def place(self, seq_id: int, seq: SlotSeq, eager: bool) -> None:
+        """Place a sequence none of whose prompt is cached: an idle slot, its kept pages reused."""
+        needed = self.geometry.pages_for(seq.length)
+        slot = self.pick(needed)
+        if slot is None:
+            raise OutOfKVMemory(1, 0, "slots")
+        self.require(needed - len(slot.sets), exclude=slot)
+        reused = min(needed, len(slot.sets))
+        self.back(slot, needed, seq.length, eager)  # a failed map leaves it idle
+        self.mapping.events.page_sets_reused += reused
+        self.assign(slot, seq_id)
+        seq.slot = slot.index
+
     def assign(self, slot: Slot, seq_id: int) -> None:
         """The slot now belongs to seq_id; the generation bump drops stale mapper jobs."""
         slot.seq_id = seq_id
@@ -201,7 +214,7 @@ class SlotTable:
         running = sorted((s for s in self.slots if s.seq_id is not None), key=lambda s: -s.index)
         n = self._drop(idle, n, exclude)
         if n > 0 and self.prefix is not None:
-            n -= self.prefix.evict(n)
+            n -= len(self.prefix.evict(n))
         self._drop(running, n, exclude)
 
     def _drop(self, slots: list[Slot], n: int, exclude: Slot | None) -> int:
