@@ -14,6 +14,7 @@ from vmkv.drivers import HostDriver
 
 from vmkv import LLM, SamplingParams, prefix_cache
 from vmkv.kv_cache import KVShape, SeqStep, StepBatch
+from vmkv.server.metrics import ServingMetrics
 from vmkv.vattention import VAttentionKVCache
 from vmkv.vattention import cache as vattention_cache
 from vmkv.vattention.geometry import SlotGeometry
@@ -185,18 +186,19 @@ def test_chunk_granularity_at_the_default_page_size(order: str, pages: int, toke
 
 
 # ------------------------------------------------------------------------------ the engine
-def engine(model_dir: Path, kv_mode: str, prefix: bool) -> LLM:
+def engine(model_dir: Path, kv_mode: str, prefix: bool, **options: object) -> LLM:
+    settings = {"kv_budget_bytes": 1 << 22} | options
     return LLM(
         str(model_dir),
         kv_mode=kv_mode,
         dtype="float32",
-        kv_budget_bytes=1 << 22,
         max_model_len=384,
         max_num_seqs=8,
         max_num_batched_tokens=128,
         page_size=4096,
         block_size=16,
         enable_prefix_caching=prefix,
+        **settings,
     )
 
 
@@ -266,3 +268,44 @@ def test_sharing_under_cuda_mapping_rules() -> None:
     assert cache.stats().pages_returned == 0  # a driver the cache was given keeps its memory
     cache.close()
     driver.close()
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_engine_outputs_under_preemption_are_identical_with_sharing_on_and_off(
+    tiny_model_dir: Path, preemption_mode: str
+) -> None:
+    """Eight requests on one ~130-token prefix, two of them n = 2, in a budget that holds only a
+    few at once: sequences are preempted and resumed while they share pages."""
+    prefix = [(5 * i) % 300 + 3 for i in range(130)]
+    prompts = [prefix + [40 + i] * (i + 1) for i in range(8)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, n=2 if i in (2, 5) else 1)
+        for i in range(8)
+    ]
+    results = []
+    for on in (True, False):
+        llm = engine(
+            tiny_model_dir, "vattention", on, kv_budget_bytes=8 * 8 * 4096, preemption_mode=preemption_mode
+        )
+        outs = llm.generate(prompts, params)
+        results.append([[c.token_ids for c in o.outputs] for o in outs])
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0
+        if on:
+            assert stats.prefix_cache_hits > 0
+            rendered = ServingMetrics("m").render(stats)
+            for gauge in (
+                "units_kept",
+                "shared_pages",
+                "bytes_saved",
+                "cow_copies",
+                "prefix_cache_evictions",
+            ):
+                assert f"vmkv:kv_{gauge} " in rendered
+        cache = llm.engine.cache
+        cache.trim(force=True)  # nothing leaked: only the watermark's kept sets may stay
+        assert cache.pool.num_sets - cache.pool.free_count <= int(
+            cache.config.kept_watermark * cache.pool.num_sets
+        )
+        llm.close()
+    assert results[0] == results[1]
