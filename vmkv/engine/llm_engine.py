@@ -29,6 +29,7 @@ from vmkv.engine.scheduler import ScheduledSeq, Scheduler
 from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
 from vmkv.engine.stop_strings import find_stop
 from vmkv.engine.structured_output import GrammarCompiler
+from vmkv.heap import trim_heap
 from vmkv.kv_cache import KVMemory, KVStats
 from vmkv.model.store import load_tokenizer, resolve_model
 
@@ -417,6 +418,8 @@ class LLMEngine:
         del self._groups[group.request_id]
         for seq in group.seqs:
             del self._group_of[seq.seq_id]
+        if not self._groups:  # the last request left: what the steps freed goes back to the OS
+            trim_heap()
         return group.output()
 
 

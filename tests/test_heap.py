@@ -1,0 +1,50 @@
+"""Resident memory after an overload: the engine gives the C heap's free pages back to the OS each
+time its last request leaves (finished, failed or aborted), and resident memory returns near
+where it was before the burst."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vmkv.engine import LLM, SamplingParams
+from vmkv.engine import llm_engine as llm_engine_module
+from vmkv.heap import trim_heap
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def rss_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_the_heap_is_trimmed_once_when_the_last_request_leaves(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trims = []
+    monkeypatch.setattr(llm_engine_module, "trim_heap", lambda: trims.append(1))
+    llm = LLM(
+        str(tiny_model_dir), kv_mode="paged", dtype="float32", kv_budget_bytes=1 << 22, max_model_len=128
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate([[5, 6, 7]] * 6, params)
+    assert trims == [1]  # six requests, one trim: when the last one finished
+    llm.engine.add_request("a", [5, 6, 7], params)
+    llm.engine.abort_request("a")
+    assert trims == [1, 1]  # an abort that empties the engine trims too
+    llm.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc")
+def test_resident_memory_returns_after_a_burst_of_large_buffers() -> None:
+    """What an overload leaves in glibc's arenas: many mid-sized blocks (below the mmap
+    threshold) freed out of order stay resident until trimmed."""
+    before = rss_mib()
+    blocks = [bytearray(100_000) for _ in range(3000)]  # ~300 MB of 100 kB allocations
+    del blocks[:-1]  # the last one pins the top of the arena, as a live request's buffer would
+    held = rss_mib()
+    assert trim_heap()
+    after = rss_mib()
+    assert held - before > 200 and after - before < 50, (before, held, after)
