@@ -5,6 +5,13 @@ allocates; a reservation is cuMemAddressReserve; mapping is cuMemMap + cuMemSetA
 one page per call, because cuMemUnmap cannot unmap part of one mapping. Every call runs
 in the device's primary context, the one PyTorch uses, so views are ordinary CUDA tensors.
 
+Stream ordering: cuMemMap and cuMemSetAccess take effect when they return, so a kernel
+launched after a map (on any stream, from any thread) sees the pages. cuMemUnmap does not
+wait for kernels already queued that read the range, so every unmap first synchronizes the
+context (cuCtxSynchronize: all streams, PyTorch's included), as PyTorch's own
+expandable-segments allocator does before it unmaps. Views are DLPack tensors that name
+their device, so torch never queries a pointer that is still unmapped (dlpack.py).
+
 cuda-python is imported only when a driver is built: this module imports on any machine.
 """
 
@@ -12,12 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .base import MemoryDriver, as_int
+from .base import MemoryDriver, Reservation, as_int
+from .dlpack import byte_tensor
 from .errors import DriverUnavailableError, RawCallError
 
 
@@ -37,24 +44,6 @@ def _init_torch_cuda(index: int) -> None:
     if not 0 <= index < count:
         raise ValueError(f"device must be a CUDA ordinal in [0, {count}), got {index}")
     torch.empty(1, device=f"cuda:{index}")
-
-
-@dataclass(frozen=True)
-class CudaArray:
-    """A raw device pointer dressed in the CUDA array interface, for torch.as_tensor."""
-
-    ptr: int
-    nbytes: int
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {
-            "shape": (self.nbytes,),
-            "typestr": "|u1",
-            "data": (self.ptr, False),
-            "strides": None,
-            "version": 3,
-        }
 
 
 class CudaDriver(MemoryDriver):
@@ -187,13 +176,20 @@ class CudaDriver(MemoryDriver):
                     self._drv.cuMemUnmap(page_addr, self.page_size)  # leave nothing half-mapped
                     raise
 
+    def _unmap_run(self, res: Reservation, first: int, num_pages: int) -> None:
+        """Wait for every queued kernel once, then unmap: an unmap under a running kernel
+        that reads the range is an illegal address, and cuMemUnmap does not wait."""
+        with self._context():
+            self._call("cuCtxSynchronize")
+        super()._unmap_run(res, first, num_pages)
+
     def _raw_unmap(self, addr: int, num_pages: int) -> None:
         with self._context():
             for i in range(num_pages):
                 self._call("cuMemUnmap", addr + i * self.page_size, self.page_size)
 
     def _raw_view(self, addr: int, nbytes: int) -> torch.Tensor:
-        return torch.as_tensor(CudaArray(addr, nbytes), device=self.device)
+        return byte_tensor(addr, nbytes, self.device)
 
     def _raw_close(self) -> None:
         """Release every handle and the context retain; report the first failure after all.

@@ -7,7 +7,9 @@ passes here issues calls a real GPU would accept in the same order.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import gc
 import subprocess
 import sys
 import threading
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from vmkv.drivers import CudaDriver, DriverUnavailableError, InvalidOffsetError, RawCallError
+from vmkv.drivers import CudaDriver, DriverUnavailableError, InvalidOffsetError, RawCallError, dlpack
 from vmkv.drivers import cuda as cuda_driver
 
 G = 2 * 1024 * 1024  # the fake's allocation granularity
@@ -101,7 +103,10 @@ class FakeCudaDriver:
         self.reserved: dict[int, int] = {}
         self.created: list[Opaque] = []
         self.live_handles: set[Opaque] = set()
-        self.mapped: dict[int, Opaque] = {}
+        self.handle_size: dict[Opaque, int] = {}
+        self.mapped_ranges: dict[int, tuple[Opaque, int]] = {}  # start -> (handle, size)
+        self.in_flight = 0  # kernels "launched" by a test and not yet synchronized
+        self.hazards: list[tuple[int, int]] = []  # unmaps issued while a kernel was in flight
         self._next_base = 0x7F00_0000_0000
         self._next_handle = 1
         self._failures: dict[str, tuple[CUresult, int]] = {}
@@ -110,6 +115,10 @@ class FakeCudaDriver:
     # ------------------------------------------------------------ test controls
     def fail(self, name: str, code: CUresult, nth: int = 1) -> None:
         self._failures[name] = (code, nth)
+
+    def launch(self) -> None:
+        """Stand for an asynchronous kernel queued on the device; cuCtxSynchronize retires it."""
+        self.in_flight += 1
 
     def current(self) -> Opaque:
         stack = getattr(self._tls, "stack", None)
@@ -178,14 +187,23 @@ class FakeCudaDriver:
     def cuMemGetAllocationGranularity(self, prop: CUmemAllocationProp, option: Any):
         return self._enter("cuMemGetAllocationGranularity", prop, option), G
 
+    def cuCtxSynchronize(self):
+        err = self._enter("cuCtxSynchronize")
+        if err == CUresult.CUDA_SUCCESS:
+            self.in_flight = 0
+        return (err,)
+
     def cuMemCreate(self, size: int, prop: CUmemAllocationProp, flags: int):
         err = self._enter("cuMemCreate", size, prop, flags)
         if err != CUresult.CUDA_SUCCESS:
             return err, None
+        if size <= 0 or size % G:  # the real driver wants whole granules
+            return CUresult.CUDA_ERROR_INVALID_VALUE, None
         handle = Opaque("handle", self._next_handle)
         self._next_handle += 1
         self.created.append(handle)
         self.live_handles.add(handle)
+        self.handle_size[handle] = size
         return err, handle
 
     def cuMemRelease(self, handle: Opaque):
@@ -200,15 +218,24 @@ class FakeCudaDriver:
         err = self._enter("cuMemAddressReserve", size, alignment, addr, flags)
         if err != CUresult.CUDA_SUCCESS:
             return err, None
+        if size <= 0 or size % G:
+            return CUresult.CUDA_ERROR_INVALID_VALUE, None
         base = self._next_base
-        self._next_base += -(-size // G) * G + G
+        self._next_base += size + G
         self.reserved[base] = size
         return err, Opaque("ptr", base)
 
+    def _mappings_in(self, ptr: int, size: int) -> list[int]:
+        """Starts of the mappings that overlap [ptr, ptr + size)."""
+        return [p for p, (_, n) in self.mapped_ranges.items() if p < ptr + size and ptr < p + n]
+
     def cuMemAddressFree(self, ptr: int, size: int):
         err = self._enter("cuMemAddressFree", ptr, size)
-        if err == CUresult.CUDA_SUCCESS and self.reserved.pop(ptr, None) != size:
+        if err != CUresult.CUDA_SUCCESS:
+            return (err,)
+        if self.reserved.get(ptr) != size or self._mappings_in(ptr, size):  # still mapped: refused
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        del self.reserved[ptr]
         return (err,)
 
     def _in_reservation(self, ptr: int, size: int) -> bool:
@@ -220,23 +247,46 @@ class FakeCudaDriver:
 
     def cuMemMap(self, ptr: int, size: int, offset: int, handle: Opaque, flags: int):
         err = self._enter("cuMemMap", ptr, size, offset, handle, flags)
-        if err == CUresult.CUDA_SUCCESS:
-            if not self._in_reservation(ptr, size) or ptr in self.mapped or handle not in self.live_handles:
-                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-            self.mapped[ptr] = handle
+        if err != CUresult.CUDA_SUCCESS:
+            return (err,)
+        if (
+            not self._in_reservation(ptr, size)
+            or handle not in self.live_handles
+            or offset != 0
+            or size != self.handle_size[handle]
+            or self._mappings_in(ptr, size)
+        ):
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        self.mapped_ranges[ptr] = (handle, size)
         return (err,)
 
     def cuMemSetAccess(self, ptr: int, size: int, descs: list, count: int):
         err = self._enter("cuMemSetAccess", ptr, size, descs, count)
-        if err == CUresult.CUDA_SUCCESS and ptr not in self.mapped:
+        if err != CUresult.CUDA_SUCCESS:
+            return (err,)
+        covered = sum(self.mapped_ranges[p][1] for p in self._mappings_in(ptr, size))
+        starts_inside = all(ptr <= p for p in self._mappings_in(ptr, size))
+        if covered != size or not starts_inside or count != len(descs):  # every byte must be mapped
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
         return (err,)
 
     def cuMemUnmap(self, ptr: int, size: int):
         err = self._enter("cuMemUnmap", ptr, size)
-        if err == CUresult.CUDA_SUCCESS and self.mapped.pop(ptr, None) is None:
+        if err != CUresult.CUDA_SUCCESS:
+            return (err,)
+        inside = self._mappings_in(ptr, size)
+        whole = inside and all(ptr <= p and p + self.mapped_ranges[p][1] <= ptr + size for p in inside)
+        if not whole:  # the real driver cannot unmap part of one mapping
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        if self.in_flight:  # the real driver would pull the pages from under a running kernel
+            self.hazards.append((ptr, size))
+        for p in inside:
+            del self.mapped_ranges[p]
         return (err,)
+
+    @property
+    def mapped(self) -> dict[int, Opaque]:
+        return {p: handle for p, (handle, _) in self.mapped_ranges.items()}
 
 
 def install_fake(monkeypatch: pytest.MonkeyPatch, fake_torch: bool = True) -> FakeCudaDriver:
@@ -335,14 +385,14 @@ def test_reserve_map_unmap_release_calls(fake):
 
     fake.calls.clear()
     assert drv.unmap(res, G, 2) == [2, 0]
-    assert fake.names() == ["cuMemUnmap", "cuMemUnmap"]
+    assert fake.names() == ["cuCtxSynchronize", "cuMemUnmap", "cuMemUnmap"]
     assert fake.args_of("cuMemUnmap") == [(res.base + G, G), (res.base + 2 * G, G)]
     assert fake.mapped == {} and drv.stats.unmap_calls == 2
 
     drv.map(res, 0, [1])
     fake.calls.clear()
     drv.release(res)
-    assert fake.names() == ["cuMemUnmap", "cuMemAddressFree"]
+    assert fake.names() == ["cuCtxSynchronize", "cuMemUnmap", "cuMemAddressFree"]
     assert fake.args_of("cuMemAddressFree") == [(res.base, 3 * G)]
     assert fake.reserved == {} and fake.mapped == {}
 
@@ -355,6 +405,7 @@ def test_close_unmaps_frees_and_releases_every_handle(fake):
     fake.calls.clear()
     drv.close()
     assert fake.names() == [
+        "cuCtxSynchronize",
         "cuMemUnmap",
         "cuMemAddressFree",
         "cuMemRelease",
@@ -471,23 +522,93 @@ def test_thread_bound_to_another_context_gets_it_back(fake):
     assert seen == [other] and res.mapped == {0: pages[0]}
 
 
-def test_view_wraps_pointer_with_device_index(fake, monkeypatch):
+def _capsule_fields(capsule: object) -> tuple[int, int, int, int, int]:
+    """(data, device_type, device_id, ndim, shape[0]) of a "dltensor" capsule, read with ctypes."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    t = ctypes.cast(get(capsule, b"dltensor"), ctypes.POINTER(dlpack.DLManagedTensor)).contents.dl_tensor
+    return t.data, t.device.device_type, t.device.device_id, t.ndim, t.shape[0]
+
+
+def test_view_before_any_map_names_the_device_and_queries_no_pointer(fake, monkeypatch):
+    """A cache makes its views at construction, before any page is mapped: the capsule must say
+    CUDA and the ordinal itself, so torch never asks the runtime about the unmapped pointer."""
+    drv = CudaDriver(2, device=1)
+    res = drv.reserve(2 * G)
+    seen: list[tuple[int, int, int, int, int]] = []
+
+    def from_dlpack(capsule: object) -> torch.Tensor:  # a CPU torch cannot make CUDA tensors
+        seen.append(_capsule_fields(capsule))
+        return torch.zeros(seen[-1][4], dtype=torch.uint8)
+
+    monkeypatch.setattr(torch.utils.dlpack, "from_dlpack", from_dlpack)
+    fake.calls.clear()
+    t = drv.view(res, torch.float16, (4, 8), offset=G + 128)
+    assert seen == [(res.base + G + 128, dlpack.KDL_CUDA, 1, 1, 64)]
+    assert fake.names() == [] and fake.mapped == {}  # nothing mapped, nothing asked of the driver
+    assert t.shape == (4, 8) and t.dtype == torch.float16
+
+
+def test_dlpack_view_is_zero_copy_through_the_real_conversion():
+    """The same capsule code on host memory, through torch's real from_dlpack: writes through
+    the view land in the buffer, and the capsule is let go when the tensor dies."""
+    before = dlpack.live_capsules()
+    buf = torch.zeros(256, dtype=torch.uint8)
+    view = dlpack.byte_tensor(buf.data_ptr() + 64, 128, torch.device("cpu"))
+    assert dlpack.live_capsules() == before + 1
+    view.view(torch.float32)[:] = 2.5
+    assert torch.all(buf[64:192].view(torch.float32) == 2.5) and torch.all(buf[:64] == 0)
+    del view
+    gc.collect()
+    assert dlpack.live_capsules() == before
+    with pytest.raises(ValueError, match="device"):
+        dlpack.byte_tensor(buf.data_ptr(), 8, torch.device("meta"))
+
+
+def test_unmap_waits_for_queued_kernels_first(fake):
+    """cuMemUnmap does not wait for kernels reading the range: every unmap path synchronizes."""
+    drv = CudaDriver(3)
+    res = drv.reserve(3 * G)
+    drv.map(res, 0, drv.alloc(3))
+    fake.launch()
+    drv.unmap(res, 0)
+    fake.launch()
+    drv.release(res)  # unmaps the rest
+    assert fake.hazards == []
+    names = fake.names()
+    assert names.count("cuCtxSynchronize") == 2
+    assert names.index("cuCtxSynchronize") < names.index("cuMemUnmap")
+
+
+def test_fake_refuses_what_the_real_driver_refuses(fake):
+    """The fake is as strict as the driver, so the call sequences above are ones a GPU accepts."""
     drv = CudaDriver(2)
     res = drv.reserve(2 * G)
-    drv.map(res, G, drv.alloc(1))
-    captured: list[tuple[dict, Any]] = []
+    pages = drv.alloc(2)
+    drv.map(res, 0, pages)
+    raw, h = fake, fake.created
+    assert raw.cuMemUnmap(res.base, G // 2)[0] == CUresult.CUDA_ERROR_INVALID_VALUE  # part of a mapping
+    assert raw.cuMemSetAccess(res.base, 3 * G, [None], 1)[0] == CUresult.CUDA_ERROR_INVALID_VALUE
+    assert raw.cuMemCreate(G + 4096, CUmemAllocationProp(), 0)[0] == CUresult.CUDA_ERROR_INVALID_VALUE
+    assert raw.cuMemAddressFree(res.base, 2 * G)[0] == CUresult.CUDA_ERROR_INVALID_VALUE  # still mapped
+    assert raw.cuMemMap(res.base, G, 0, h[1], 0)[0] == CUresult.CUDA_ERROR_INVALID_VALUE  # over a mapping
+    fake.launch()
+    assert raw.cuMemUnmap(res.base, G)[0] == CUresult.CUDA_SUCCESS
+    assert fake.hazards == [(res.base, G)]  # an unmap under a running kernel is recorded
 
-    def as_tensor(obj: Any, device: Any) -> torch.Tensor:
-        captured.append((obj.__cuda_array_interface__, device))
-        return torch.zeros(obj.__cuda_array_interface__["shape"], dtype=torch.uint8)
 
-    monkeypatch.setattr(torch, "as_tensor", as_tensor)
-    t = drv.view(res, torch.float16, (4, 8), offset=G + 128)
-    interface, device = captured[0]
-    assert interface["data"] == (res.base + G + 128, False)
-    assert interface["shape"] == (64,) and interface["typestr"] == "|u1" and interface["version"] == 3
-    assert torch.device(device) == torch.device("cuda", 0)
-    assert t.shape == (4, 8) and t.dtype == torch.float16
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and cuda-python")
+def test_real_gpu_view_before_map_then_write_read_and_unmap_after_kernel():
+    pytest.importorskip("cuda.bindings")
+    with CudaDriver(2) as drv:
+        page = drv.page_size
+        res = drv.reserve(2 * page)
+        view = drv.view(res, torch.float32, (2 * page // 4,))  # before any page is mapped
+        drv.map(res, 0, drv.alloc(2))
+        view.fill_(1.5)
+        total = view.sum()  # queued; unmap must wait for it
+        drv.unmap(res, 0, 2)
+        assert float(total) == 1.5 * (2 * page // 4)
 
 
 def test_punch_keeps_the_handle(fake):
