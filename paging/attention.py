@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from vmkv.decode_kernel import DecodeKernel, DecodePlan, load_decode_kernel, paged_plan
+from vmkv.host_metadata import host_query_starts
 from vmkv.kv_cache import StepBatch
 
 
@@ -125,7 +126,7 @@ class ReferenceAttention:
         write_rows: torch.Tensor,
         rows: list[torch.Tensor] | None = None,
     ) -> PagedPlan:
-        starts = batch.query_start.tolist()
+        starts = host_query_starts(batch)
         device = write_rows.device  # the cache's device, whatever the batch was built on
         parts = [
             SeqPart(
@@ -209,7 +210,7 @@ class BatchedAttention:
     ) -> PagedPlan:
         """rows: each sequence's table as a tensor kept by the cache (see table_rows)."""
         device = write_rows.device  # the cache's device, whatever the batch was built on
-        starts = batch.query_start.tolist()
+        starts = host_query_starts(batch)
         parts, decode_ids = [], []
         for i, (s, t) in enumerate(zip(batch.steps, tables, strict=True)):
             if s.num_new == 1:

@@ -119,17 +119,17 @@ def _attend_flash(
             causal=True,
         )
         out[fd.rows] = o.squeeze(1)
-    for s in plan.singles:
+    fp = plan.flash_prefill
+    for j, s in enumerate(plan.singles):
         rows = slice(s.row_start, s.row_end)
-        n = s.row_end - s.row_start
         o = flash_attn_with_kvcache(
             q[rows].unsqueeze(0),
             k_cache,
             v_cache,
             k=k[rows].unsqueeze(0),
             v=v[rows].unsqueeze(0),
-            cache_seqlens=torch.tensor([s.context_len - n], dtype=torch.int32, device=q.device),
-            cache_batch_idx=torch.tensor([s.slot], dtype=torch.int32, device=q.device),
+            cache_seqlens=fp.cache_seqlens[j : j + 1],  # slices of the step's tensors: no copy
+            cache_batch_idx=fp.slots[j : j + 1],
             softmax_scale=scale,
             causal=True,
         )

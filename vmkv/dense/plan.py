@@ -8,24 +8,26 @@ every layer's attention (attention.py) reads the plan.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
+from vmkv import flash_support
 from vmkv.decode_kernel import DecodeKernel, DecodePlan, dense_plan, load_decode_kernel
+from vmkv.host_metadata import host_query_starts
 from vmkv.kv_cache import KVShape, SeqStep, StepBatch
-
-FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
 
 # A decode group may compute at most this many times the useful attention work
 # (padded tokens / real tokens) before it is split.
 DEFAULT_MAX_PADDING = 1.5
 
 
-def flash_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """flash_attn_with_kvcache runs on CUDA in fp16/bf16 only."""
-    return FLASH_ATTN_AVAILABLE and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+def flash_usable(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> bool:
+    """Can flash_attn_with_kvcache serve this cache (see vmkv/flash_support.py)? flash_attn is
+    imported for real, once. head_dim None: plan_step checks it from the K/V view instead."""
+    return flash_support.flash_usable(
+        device, dtype, flash_support.FLASH_MAX_HEAD_DIM if head_dim is None else head_dim
+    )
 
 
 @dataclass
@@ -60,6 +62,15 @@ class FlashDecode:
     rows: torch.Tensor  # int64 [B] query rows
     slots: torch.Tensor  # int32 [B] cache_batch_idx
     cache_seqlens: torch.Tensor  # int32 [B] tokens cached before this step
+
+
+@dataclass
+class FlashPrefill:
+    """cache_batch_idx and cache_seqlens of every prefill call (singles[i] reads entry i), built
+    once per step: one host-to-device copy per step instead of two per sequence per layer."""
+
+    slots: torch.Tensor  # int32 [P]
+    cache_seqlens: torch.Tensor  # int32 [P] tokens cached before this step
 
 
 class DecodeKernels:
@@ -114,6 +125,7 @@ class DenseSlotPlan:
     groups: list[DecodeGroup]
     singles: list[SingleSeq]
     flash_decode: FlashDecode | None = None  # set on the flash-attn path instead of groups
+    flash_prefill: FlashPrefill | None = None  # set on the flash-attn path when a prefill runs
     use_flash: bool = False
     kernel_decode: KernelDecode | None = None  # set on the kernel path instead of groups
     kernels: DecodeKernels | None = None
@@ -138,12 +150,14 @@ def plan_step(
     steps = batch.steps
     if len(slots) != len(steps) or len(readable) != len(steps):
         raise ValueError("need one slot and one readable length per sequence of the batch")
+    if use_flash and kv_view is not None and not flash_usable(device, kv_view.dtype, kv_view.shape[-1]):
+        use_flash = False  # a head_dim flash-attn cannot take: stock SDPA instead
     write_slot: list[int] = []
     write_pos: list[int] = []
     for s, slot in zip(steps, slots, strict=True):
         write_slot += [slot] * s.num_new
         write_pos += range(s.num_cached, s.context_len)
-    starts = batch.query_start.tolist()
+    starts = host_query_starts(batch)
     write = torch.tensor([write_slot, write_pos], device=device)
     plan = DenseSlotPlan(batch, write[0], write[1], [], [], use_flash=use_flash)
     decodes = [i for i, s in enumerate(steps) if s.num_new == 1]
@@ -182,6 +196,10 @@ def plan_step(
             pos = torch.arange(s.num_cached, s.context_len).unsqueeze(1)
             mask = (torch.arange(s.context_len).unsqueeze(0) <= pos).to(device)
         plan.singles.append(SingleSeq(starts[i], starts[i + 1], slots[i], s.context_len, mask))
+    if use_flash and prefills:
+        flash = torch.tensor([[slots[i] for i in prefills], [steps[i].num_cached for i in prefills]])
+        flash = flash.to(device=device, dtype=torch.int32)
+        plan.flash_prefill = FlashPrefill(flash[0], flash[1])
     return plan
 
 
