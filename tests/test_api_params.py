@@ -296,6 +296,56 @@ def test_bad_structured_outputs_are_400s_naming_the_field(
     assert httpx.get(f"{served.url}/health").status_code == 200
 
 
+# ------------------------------------------------------------------------------ prompt_logprobs
+def test_prompt_logprobs_come_in_vllms_shape(
+    client: openai.OpenAI, served: Served, tiny_model_dir: Path
+) -> None:
+    """Each prompt token after the first gets its log-probability under the model, its rank and
+    the top-k (vLLM's shape: token id -> logprob, rank, decoded_token), in a completion, its
+    stream and a chat; the engine's own figures (checked against a forward pass in
+    test_prompt_logprobs.py) arrive unchanged."""
+    llm = LLM(str(tiny_model_dir), kv_mode="paged", dtype="float32", max_model_len=64)
+    (engine_out,) = llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))
+    llm.engine.close()
+    body = complete(client, max_tokens=2, prompt_logprobs=2).model_dump()
+    (choice,) = body["choices"]
+    got = choice["prompt_logprobs"]
+    assert len(got) == len(PROMPT) and got[0] is None
+    for j in range(1, len(PROMPT)):
+        top, rank = engine_out.prompt_logprobs[j]
+        entries = got[j]
+        own = entries[str(PROMPT[j])]
+        assert own["logprob"] == pytest.approx(top[PROMPT[j]]) and own["rank"] == rank
+        assert sorted(e["rank"] for e in entries.values())[:2] == [1, 2] and len(entries) <= 3
+        assert all(e["decoded_token"] == served.engine.tokenizer.decode([int(t)]) for t, e in entries.items())
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=2,
+        temperature=0.0,
+        stream=True,
+        extra_body={"prompt_logprobs": 2},
+    )
+    streamed = [c.model_dump()["choices"][0].get("prompt_logprobs") for c in stream if c.choices]
+    assert [p for p in streamed if p is not None] == [got]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 1},
+    )
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 1
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            stream=True,
+            extra_body={"prompt_logprobs": 1},
+        )
+    assert caught.value.body["param"] == "prompt_logprobs"
+
+
 # ----------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize(
     ("extra", "param"),
@@ -305,7 +355,7 @@ def test_bad_structured_outputs_are_400s_naming_the_field(
         ({"echo": True, "logprobs": 1}, "echo"),
         ({"bad_words": [""]}, "bad_words"),
         ({"bad_words": ["x"] * 129}, "bad_words"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"allowed_token_ids": [5]}, "allowed_token_ids"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),

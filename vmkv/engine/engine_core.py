@@ -85,6 +85,7 @@ class EngineCore:
         self.outputs.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
         self.outputs.bind(outputs_address)
         self.sent: dict[str, dict[int, int]] = {}  # request id -> sample index -> tokens sent
+        self.prompt_logprobs_sent: set[str] = set()
         self.running = True
 
     def run(self) -> None:
@@ -160,7 +161,15 @@ class EngineCore:
                     sample.stop_reason if isinstance(sample.stop_reason, int) else None,
                 )
             )
-        return RequestUpdate(out.request_id, samples, out.finished, error=out.error)
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None and out.request_id not in self.prompt_logprobs_sent:
+            prompt_logprobs = out.prompt_logprobs
+            self.prompt_logprobs_sent.add(out.request_id)
+        if out.finished:
+            self.prompt_logprobs_sent.discard(out.request_id)
+        return RequestUpdate(
+            out.request_id, samples, out.finished, error=out.error, prompt_logprobs=prompt_logprobs
+        )
 
     def close(self) -> None:
         self.engine.close()

@@ -20,6 +20,7 @@ import msgspec
 
 from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.llm_engine import EngineStats
+from vmkv.engine.outputs import PromptLogprob
 from vmkv.engine.sampling_params import SamplingParams
 
 
@@ -62,6 +63,7 @@ class RequestUpdate(msgspec.Struct, array_like=True):
     finished: bool
     error: str | None = None  # the engine failed the request (finish_reason "error")
     rejected: str | None = None  # the engine refused it at admission: nothing ran
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # sent once, when complete
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
@@ -120,6 +121,8 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         text, prompt_ids = self.validate(prompt, params)
+        if params.prompt_logprobs is not None:  # a cached token has no logits: share nothing
+            cache_salt = f"prompt-logprobs:{uuid.uuid4().hex}"
         group = SequenceGroup(
             request_id=request_id,
             arrival=self._next_arrival,
@@ -202,7 +205,10 @@ class LLMEngine:
                 self.prompt_tokens += min(item.num_new, item.seq.prompt_len - item.seq.num_computed)
 
         try:
-            logits = self.runner.execute(self.cache, sched.scheduled)
+            wanted = self._prompt_logprob_items(sched.scheduled)
+            logits, hidden = self.runner.execute(self.cache, sched.scheduled, wanted)
+            for i, rows in zip(wanted, hidden, strict=True):
+                self._record_prompt_logprobs(sched.scheduled[i], rows)
         except Exception as error:  # noqa: BLE001 - the step's requests are retried or fail; others carry on
             return self._checked(outputs + self._retry_or_fail(sched.scheduled, error))
         if self._forward_failures:  # a forward that went through: the count starts again
@@ -411,6 +417,27 @@ class LLMEngine:
             at, seq.stop_reason = stop
             seq.text = seq.text[:at]
             seq.finish_reason = FinishReason.STOP
+
+    def _prompt_logprob_items(self, scheduled: list[ScheduledSeq]) -> list[int]:
+        """The scheduled items whose rows predict prompt tokens not yet given a logprob."""
+        wanted = []
+        for i, item in enumerate(scheduled):
+            recorded = self._group_of[item.seq.seq_id].prompt_logprobs
+            seq = item.seq
+            # row at position p predicts token p + 1; rows predicting 1 .. len(recorded) - 1 are done
+            end = min(seq.num_computed + item.num_new, seq.prompt_len - 1)
+            if recorded is not None and len(recorded) - 1 < end:
+                wanted.append(i)
+        return wanted
+
+    def _record_prompt_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor) -> None:
+        seq, group = item.seq, self._group_of[item.seq.seq_id]
+        recorded = group.prompt_logprobs
+        first = max(seq.num_computed, len(recorded) - 1)  # a recompute after preemption skips done rows
+        end = min(seq.num_computed + item.num_new, seq.prompt_len - 1)
+        targets = group.prompt_token_ids[first + 1 : end + 1]
+        rows = hidden[first - seq.num_computed : end - seq.num_computed]
+        recorded += self.runner.prompt_logprobs(rows, targets, group.params.prompt_logprobs)
 
     def _retire(self, group: SequenceGroup) -> RequestOutput:
         self._forward_failures.pop(group.request_id, None)

@@ -9,6 +9,7 @@ Logits are computed only for the rows that sample.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
 from itertools import chain
 
@@ -19,11 +20,13 @@ from vmkv.engine.attention_hook import ATTENTION_NAME, step_context
 from vmkv.engine.compiled import compile_decoder, compiled_stance
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.cpu_linear import pack_linears, run_linears_in_fp32, wants_fp32_gemm, wants_packed_gemm
+from vmkv.engine.outputs import PromptLogprob
 from vmkv.engine.scheduler import ScheduledSeq
 from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
 from vmkv.model.store import load_model
 
 LOGIT_SLICE = 1024  # vocabulary rows per lm_head GEMM on the CPU
+PROMPT_LOGPROB_ROWS = 256  # prompt rows per lm_head call for prompt logprobs: [256, V] fp32 at most
 
 
 class ModelRunner:
@@ -62,8 +65,12 @@ class ModelRunner:
         self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
 
     @torch.inference_mode()
-    def execute(self, cache: KVCache, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run one step; returns float32 logits [S, V] for the scheduled rows that sample, in order."""
+    def execute(
+        self, cache: KVCache, scheduled: list[ScheduledSeq], keep_hidden: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run one step; returns float32 logits [S, V] for the scheduled rows that sample, in
+        order, and the final hidden states [num_new, H] of the scheduled items `keep_hidden`
+        names (for prompt logprobs)."""
         steps = [SeqStep(s.seq.seq_id, s.seq.num_computed, s.num_new) for s in scheduled]
         batch = StepBatch.build(steps, self.device)
         num_tokens = int(batch.query_start[-1])
@@ -94,7 +101,35 @@ class ModelRunner:
         cache.finish_step(plan)
         last_rows = [i for i, s in enumerate(scheduled) if s.samples]
         rows = batch.query_start[1:][last_rows] - 1
-        return self._logits(hidden[rows])
+        starts = batch.query_start.tolist() if keep_hidden else []
+        kept = [hidden[starts[i] : starts[i + 1]] for i in keep_hidden]
+        return self._logits(hidden[rows]), kept
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[PromptLogprob]:
+        """For each hidden row, the top-k log-probabilities of the next token, the target's own
+        and its rank. Rows go through lm_head PROMPT_LOGPROB_ROWS at a time, so a long prompt
+        never holds a [prompt, vocabulary] matrix."""
+        out: list[PromptLogprob] = []
+        for start in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            rows = slice(start, start + PROMPT_LOGPROB_ROWS)
+            logprobs = self._logits(hidden[rows]).log_softmax(dim=-1)
+            target = torch.tensor(targets[rows], device=logprobs.device)
+            chosen = logprobs.gather(1, target[:, None])
+            ranks = (logprobs > chosen).sum(dim=1) + 1
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            for ids, values, token, value, rank in zip(
+                top_ids.tolist(),
+                top_values.tolist(),
+                targets[rows],
+                chosen[:, 0].tolist(),
+                ranks.tolist(),
+                strict=True,
+            ):
+                entry = dict(zip(ids, values, strict=True))
+                entry[token] = value
+                out.append((entry, rank))
+        return out
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on the sampling rows, as float32 [S, V]; plain CPU weights through linear_in_slices."""

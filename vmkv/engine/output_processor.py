@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.ipc import RequestUpdate, SampleUpdate
-from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vmkv.engine.outputs import CompletionOutput, PromptLogprob, RequestMetrics, RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.sequence import FinishReason
 from vmkv.engine.stop_strings import find_stop, stop_hold, visible_text
@@ -57,6 +57,7 @@ class RequestState:
     samples: dict[int, SampleState] = field(default_factory=dict)
     finished: bool = False
     error: str | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     def apply(self, update: RequestUpdate) -> list[int]:
         """Take in one engine update; returns the indices of samples that met a stop string now."""
@@ -67,6 +68,8 @@ class RequestState:
                 stopped.append(sample_update.index)
         if update.error is not None:
             self.error = update.error
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
         if self.metrics.first_token_time is None and any(u.new_token_ids for u in update.samples):
             self.metrics.first_token_time = time.monotonic()
         done = len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples.values())
@@ -85,6 +88,7 @@ class RequestState:
             finished=self.finished,
             metrics=self.metrics,
             error=self.error,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def _new_sample(self, index: int) -> SampleState:

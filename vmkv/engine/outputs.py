@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A prompt token's top-k {token id: log-probability} (the token itself included) and the
+# token's rank in the model's distribution (1 = most likely).
+PromptLogprob = tuple[dict[int, float], int]
+
 
 @dataclass
 class RequestMetrics:
@@ -47,3 +51,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
     error: str | None = None  # why the request ended with finish_reason "error"
+    # with SamplingParams.prompt_logprobs, once the prompt is computed: one entry per prompt
+    # token, None for the first (nothing predicts it)
+    prompt_logprobs: list[PromptLogprob | None] | None = None

@@ -41,8 +41,10 @@ class SamplingParams:
     the request its own random stream, so the same seed gives the same output. n samples
     share the prompt's KV: the prompt is prefilled once, then forked. logprobs=k returns the
     k most likely tokens at each step (from the unmodified model distribution) plus the
-    sampled one. Stop strings are cut from the returned text; stop token ids end the
-    sample and stay in token_ids, as the end-of-sequence token does.
+    sampled one; prompt_logprobs=k does the same for every prompt token after the first
+    (such a request never reads the prefix cache: a cached token has no logits). Stop strings
+    are cut from the returned text; stop token ids end the sample and stay in token_ids, as
+    the end-of-sequence token does.
 
     The logits processors follow vLLM's definitions: repetition_penalty divides positive
     (multiplies negative) logits of tokens seen in the prompt or output; frequency_penalty
@@ -65,6 +67,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -93,6 +96,8 @@ class SamplingParams:
             _check_int("seed", self.seed, minimum=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vmkv.engine.detokenizer import IncrementalDetokenizer
-from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vmkv.engine.outputs import CompletionOutput, PromptLogprob, RequestMetrics, RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.stop_strings import stop_hold, visible_text
 from vmkv.engine.structured_output import GrammarState
@@ -92,10 +92,18 @@ class SequenceGroup:
     cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None
+    # filled as prefill chunks compute (kept across a recompute preemption); None: not asked for
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     stop_hold: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.stop_hold = stop_hold(self.params.stop)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.prompt_token_ids)
 
     @property
     def live_seqs(self) -> list[Sequence]:
@@ -136,4 +144,5 @@ class SequenceGroup:
             finished=self.finished,
             metrics=self.metrics,
             error=self.error,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs_done else None,
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from vmkv.engine import AsyncLLM, AsyncProcessLLM, CompletionOutput, EngineDead, EngineStats, SamplingParams
+from vmkv.engine.outputs import PromptLogprob
 
 
 class EngineDeadError(RuntimeError):
@@ -41,6 +42,8 @@ class SampleDelta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # the request's prompt logprobs, on each sample's delta of the step they arrive with
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass
@@ -74,6 +77,7 @@ class EngineClient:
     ) -> AsyncGenerator[list[SampleDelta], None]:
         """One list of deltas per engine step that advanced the request, until every sample ends."""
         sent: dict[int, _Sent] = {}
+        prompt_logprobs_sent = False
         stream = self.llm.generate(prompt_ids, params, request_id=request_id, cache_salt=cache_salt)
         try:
             async for output in stream:
@@ -84,6 +88,10 @@ class EngineClient:
                     for sample in output.outputs
                     if (delta := _delta(sample, sent.setdefault(sample.index, _Sent()), params.logprobs))
                 ]
+                if output.prompt_logprobs is not None and deltas and not prompt_logprobs_sent:
+                    prompt_logprobs_sent = True
+                    for delta in deltas:
+                        delta.prompt_logprobs = output.prompt_logprobs
                 yield deltas
         except EngineDead as error:
             raise _engine_dead(str(error)) from error

@@ -139,7 +139,7 @@ class SamplingFields(OpenAIModel):
     guided_grammar: NonEmptyText | None = None
     bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_BAD_WORDS)] | None = None
     # known and refused with a 400 when set (see docs/server.md)
-    prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     allowed_token_ids: list[TokenId] | None = None
     logits_processors: list[Any] | None = None
     truncate_prompt_tokens: StrictInt | None = None
@@ -256,10 +256,23 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprobEntry(BaseModel):
+    """vLLM's shape: a prompt position's entry for one token id (the JSON key)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# per prompt token (None for the first): token id -> entry, the top-k and the prompt's own token
+PromptLogprobs = list[dict[str, PromptLogprobEntry] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(
         default=None, description="The stop string or stop token id that ended the choice, if one did."
@@ -311,6 +324,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

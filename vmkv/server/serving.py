@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
 from vmkv.engine import RequestRejected, SamplingParams
+from vmkv.engine.outputs import PromptLogprob
 from vmkv.engine.sampling_params import StructuredOutput
 from vmkv.engine.structured_output import check_structured
 from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed, SampleDelta, TokenLogprob
@@ -40,6 +41,8 @@ from vmkv.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprobEntry,
+    PromptLogprobs,
     SamplingFields,
     TopLogprob,
     Usage,
@@ -78,8 +81,11 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     def add(self, delta: SampleDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text
         self.num_tokens += len(delta.token_ids)
         self.logprobs.extend(delta.logprobs or [])
@@ -261,6 +267,7 @@ class OpenAIServing:
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=body.prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
@@ -320,6 +327,7 @@ class OpenAIServing:
                     logprobs=self.completion_logprobs(choice.logprobs, 0)
                     if body.logprobs is not None
                     else None,
+                    prompt_logprobs=self.prompt_logprobs(choice.prompt_logprobs, body.prompt_logprobs),
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
                 )
@@ -361,6 +369,9 @@ class OpenAIServing:
                                 if with_logprobs
                                 else None
                             ),
+                            prompt_logprobs=self.prompt_logprobs(
+                                item.delta.prompt_logprobs, body.prompt_logprobs
+                            ),
                             finish_reason=item.delta.finish_reason,
                             stop_reason=item.delta.stop_reason,
                         )
@@ -401,6 +412,27 @@ class OpenAIServing:
             offset += len(token)
         return result
 
+    def prompt_logprobs(
+        self, entries: list[PromptLogprob | None] | None, k: int | None
+    ) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs: per prompt token, token id -> logprob, rank, decoded text.
+        An entry holds the top-k best first, then the prompt's own token if it is not among them."""
+        if entries is None or k is None:
+            return None
+        return [
+            None
+            if entry is None
+            else {
+                str(token_id): PromptLogprobEntry(
+                    logprob=logprob,
+                    rank=i + 1 if i < k else entry[1],
+                    decoded_token=self.token_text(token_id),
+                )
+                for i, (token_id, logprob) in enumerate(entry[0].items())
+            }
+            for entry in entries
+        ]
+
     # ----------------------------------------------------------------------------------- chat
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
@@ -438,6 +470,7 @@ class OpenAIServing:
                 for choice in choices
             ],
             usage=usage(submissions, choices),
+            prompt_logprobs=self.prompt_logprobs(choices[0].prompt_logprobs, body.prompt_logprobs),
         )
         return JSONResponse(response.model_dump())
 
@@ -579,11 +612,6 @@ def check_supported(refusals: list[Refusal]) -> None:
 
 def sampling_refusals(body: SamplingFields) -> list[Refusal]:
     return [
-        (
-            "prompt_logprobs",
-            body.prompt_logprobs is not None,
-            "the engine computes logits of sampled rows only",
-        ),
         ("allowed_token_ids", body.allowed_token_ids is not None, "use logit_bias or a structured output"),
         ("logits_processors", bool(body.logits_processors), "custom logits processors cannot be loaded"),
         ("truncate_prompt_tokens", body.truncate_prompt_tokens is not None, "prompts are never truncated"),
@@ -625,6 +653,11 @@ def chat_refusals(body: ChatCompletionRequest) -> list[Refusal]:
         ("functions", bool(body.functions), "this server has no tool-call parser"),
         ("function_call", body.function_call not in no_tool, "this server has no tool-call parser"),
         ("echo", body.echo, "chat echo is not implemented"),
+        (
+            "prompt_logprobs",
+            body.stream and body.prompt_logprobs is not None,
+            "a chat stream has no place for them; ask without stream",
+        ),
         ("continue_final_message", body.continue_final_message, "not implemented"),
         ("audio", body.audio is not None, "this server generates text only"),
         ("modalities", body.modalities not in (None, ["text"]), "this server generates text only"),
