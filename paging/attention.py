@@ -8,7 +8,9 @@ The step's plan is built once (`plan`) and read by every layer (`forward`). Four
 - cpu_kernel: as torch, but decode runs the CPU decode kernel (vmkv/decode_kernel.py) through
   the block table: nothing is gathered, K/V are read once;
 - flash: flash-attn's varlen kernel with a block table, one call for the whole batch (GPU
-  with flash-attn installed and a block size that is a multiple of 256).
+  with flash-attn installed and a block size that is a multiple of 256);
+- triton: vmkv's own Triton kernel (triton_attention.py), one call for the whole batch, decode
+  and prefill alike, reading the blocks in place at any power-of-two block size from 16 (GPU).
 
 Sequences with several new tokens (prefill, chunks) take the same route in torch and
 cpu_kernel: they attend their own new k/v directly, and only a cached prefix (earlier
@@ -24,8 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from vmkv.decode_kernel import DecodeKernel, DecodePlan, load_decode_kernel, paged_plan
+from vmkv.flash_support import flash_unusable_reason
 from vmkv.host_metadata import host_query_starts
 from vmkv.kv_cache import StepBatch
+
+from .triton_attention import TritonPart, paged_attention, triton_part
 
 
 def bottom_right_mask(num_cached: int, context_len: int, device: torch.device) -> torch.Tensor | None:
@@ -96,6 +101,7 @@ class PagedPlan:
     parts: list[SeqPart]  # sequences attended one by one
     decode: DecodePart | None = None
     flash: FlashPart | None = None
+    triton: TritonPart | None = None
 
 
 def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -343,15 +349,39 @@ class FlashAttention:
         )
 
 
-def flash_available(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
-    """flash-attn's paged kernels: CUDA, fp16/bf16, block size a multiple of 256."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or block_size % 256:
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+class TritonAttention:
+    """The Triton paged kernel: every token of the batch in one launch, through the block table."""
+
+    name = "triton"
+
+    def plan(
+        self,
+        batch: StepBatch,
+        tables: list[list[int]],
+        write_rows: torch.Tensor,
+        rows: list[torch.Tensor] | None = None,
+    ) -> PagedPlan:
+        device = write_rows.device  # the cache's device, whatever the batch was built on
+        part = triton_part(batch.steps, table_rows(tables, rows, device), device)
+        return PagedPlan(batch, write_rows, [], triton=part)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_blocks: torch.Tensor,
+        v_blocks: torch.Tensor,
+        plan: PagedPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention(q.contiguous(), k_blocks, v_blocks, plan.triton, scale)
 
 
-PagedAttentionPath = ReferenceAttention | BatchedAttention | FlashAttention
+def flash_available(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """flash-attn's paged kernels: usable flash-attn (flash_support.py) and a block size that is a
+    multiple of 256."""
+    return block_size % 256 == 0 and flash_unusable_reason(device, dtype, head_dim) is None
+
+
+PagedAttentionPath = ReferenceAttention | BatchedAttention | FlashAttention | TritonAttention

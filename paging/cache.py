@@ -32,14 +32,16 @@ from .attention import (
     PagedAttentionPath,
     PagedPlan,
     ReferenceAttention,
+    TritonAttention,
     flash_available,
 )
 from .block_pool import Block, BlockPool
 from .prefix_cache import BlockKey, chain_hashes
 from .sequence import PagedSequence
 from .swap import SwappedBlocks, copy_from_host, copy_to_host
+from .triton_attention import triton_unusable_reason
 
-ATTENTION_PATHS = ("auto", "reference", "torch", "cpu_kernel", "flash")
+ATTENTION_PATHS = ("auto", "reference", "torch", "cpu_kernel", "flash", "triton")
 
 
 @dataclass
@@ -73,8 +75,8 @@ class PagedKVCache(KVCache[PagedPlan]):
         attention: str = "auto",
     ) -> None:
         """model_id and a request's cache_salt make the prefix-cache identity; attention picks
-        the path (see attention.py): "auto" is flash where usable, else the compiled CPU kernel
-        on a CPU (torch where it cannot be built), else torch."""
+        the path (see attention.py): "auto" is flash where usable, else the Triton kernel on a
+        GPU, else the compiled CPU kernel on a CPU (torch where it cannot be built), else torch."""
         if block_size < 1 or max_len < 1:
             raise ValueError(f"block_size and max_len must be positive, got {block_size} and {max_len}")
         self.shape = shape
@@ -109,14 +111,26 @@ class PagedKVCache(KVCache[PagedPlan]):
         if name not in ATTENTION_PATHS:
             raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {name!r}")
         shape, device = self.shape, self.device
-        if name == "auto" and flash_available(device, shape.dtype, self.block_size):
+        flash = flash_available(device, shape.dtype, self.block_size, shape.head_dim)
+        if name == "auto" and flash:
             name = "flash"
+        elif (
+            name == "auto"
+            and device.type == "cuda"
+            and triton_unusable_reason(device, shape.dtype, self.block_size) is None
+        ):
+            name = "triton"
         if name == "flash":
-            if not flash_available(device, shape.dtype, self.block_size):
+            if not flash:
                 raise ValueError(
                     "flash needs flash-attn, a CUDA device, fp16/bf16 and a block size multiple of 256"
                 )
             return FlashAttention()
+        if name == "triton":
+            reason = triton_unusable_reason(device, shape.dtype, self.block_size)
+            if reason is not None:
+                raise ValueError(reason)
+            return TritonAttention()
         if name == "reference":
             return ReferenceAttention()
         if name == "cpu_kernel" and device.type != "cpu":

@@ -199,7 +199,7 @@ def test_paths_agree_on_the_same_step() -> None:
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available() or not flash_available(torch.device("cuda"), torch.bfloat16, 256),
+    not torch.cuda.is_available() or not flash_available(torch.device("cuda"), torch.bfloat16, 256, 64),
     reason="needs a GPU with flash-attn",
 )
 def test_flash_path_matches_reference() -> None:
