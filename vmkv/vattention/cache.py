@@ -113,7 +113,11 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         with self._lock:
             needed = self.geometry.pages_for(num_tokens)
             slot = self.table.pick(needed)
-            return slot is not None and needed - len(slot.sets) <= self.table.available(exclude=slot)
+            if slot is None:
+                return False
+            return needed - self.table.usable(slot) <= self.table.available(
+                exclude=self.table.reusing([slot])
+            )
 
     def admit(self, seq_id: int, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         if not token_ids:
@@ -167,10 +171,9 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             if self.prefix is not None:
                 self.prefix.touch(self.prefix.held_by(seq.hashes, seq.keys))
             if seq.slot >= 0:
-                slot = self.table.slots[seq.slot]
-                # a set someone else holds (a fork, the prefix cache) must never be rewritten
-                shared = any(self.pool.refcount[s] > 1 for s in slot.sets)
-                self.table.release(slot, keep_pages=self.config.deferred_reclamation and not shared)
+                # kept pages someone else holds too (a fork, the prefix cache) are never rewritten:
+                # the slot's next sequence maps them only on a prefix hit (SlotTable.usable)
+                self.table.release(self.table.slots[seq.slot], keep_pages=self.config.deferred_reclamation)
             del self.seqs[seq_id]
 
     def free_capacity(self) -> int:
@@ -191,7 +194,9 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         geo = self.geometry
         with self._lock:
             held = self.pool.num_sets - self.pool.free_count
-            double = sum(c - 1 for c in self.table.mappers().values())  # tokens counted in each mapper
+            double = sum(
+                c - 1 for c in self.table.mappers(running_only=True).values()
+            )  # counted per sequence
             tokens = sum(s.length for s in self.seqs.values() if s.slot >= 0)
             return KVMemory(
                 reserved_bytes=geo.num_tensors * geo.tensor_bytes,

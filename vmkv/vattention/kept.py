@@ -35,17 +35,19 @@ def trim(table: SlotTable, force: bool) -> int:
 def _unmap_kept(table: SlotTable, watermark_sets: int, idle_before: float | None) -> list[int]:
     """Unmap kept sets beyond watermark_sets, idle since idle_before (None: any): idle slots'
     longest idle first, then cached chunks least recently used first; returns the sets."""
-    excess = table.kept() - watermark_sets
     trimmed: list[int] = []
     idle = sorted((s for s in table.idle() if s.sets), key=lambda s: s.idle_since)
     for slot in idle:
-        if excess - len(trimmed) <= 0 or (idle_before is not None and slot.idle_since > idle_before):
+        excess = table.kept() - watermark_sets
+        if excess <= 0 or (idle_before is not None and slot.idle_since > idle_before):
             break
-        keep = len(slot.sets) - min(excess - len(trimmed), len(slot.sets))
-        trimmed += slot.sets[keep:]
+        keep = len(slot.sets) - min(excess, len(slot.sets))
+        gone = slot.sets[keep:]
         table.mapping.drop_pages(slot, keep)
-    if excess - len(trimmed) > 0 and table.prefix is not None:
-        trimmed += table.prefix.evict(excess - len(trimmed), idle_before)
+        trimmed += [s for s in gone if table.pool.refcount[s] == 0]  # cached ones stay, evictable
+    excess = table.kept() - watermark_sets
+    if excess > 0 and table.prefix is not None:
+        trimmed += table.prefix.evict(excess, idle_before)
     table.mapping.events.page_sets_trimmed += len(trimmed)
     return trimmed
 

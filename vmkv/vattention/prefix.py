@@ -135,9 +135,6 @@ class PrefixIndex:
     def evictable(self, chunk: CachedChunk) -> bool:
         return self.pool.refcount[chunk.sets[0]] == 1
 
-    def evictable_sets(self) -> int:
-        return sum(len(c.sets) for c in self.chunks.values() if self.evictable(c))
-
     def evict(self, n: int, idle_before: float | None = None) -> list[int]:
         """Give up least recently used evictable chunks until n sets are free (or, with
         idle_before, only chunks unused since then); returns the sets freed."""

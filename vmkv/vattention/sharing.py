@@ -24,24 +24,27 @@ def place_with_hits(
     idle = table.idle()
     if not idle:
         raise OutOfKVMemory(1, 0, "slots")
-    slot = min(idle, key=lambda s: (len(s.sets), s.index))  # its kept pages are dropped
+    wanted = [s for chunk in hits for s in chunk.sets]
+    # an idle slot still mapping the hit's first pages (deferred reclamation) needs no map for them
+    slot, kept = max(((s, _common(s.sets, wanted)) for s in idle), key=lambda p: (p[1], -len(p[0].sets)))
     while hits:
         hit_pages = len(hits) * prefix.pages
         cached = min(len(hits) * prefix.tokens, length - 1)
         first_write = cached * geo.column_token_bytes // geo.page_size
         cow = max(0, hit_pages - first_write)
         fresh = geo.pages_for(length) - hit_pages + cow
-        taken = sum(len(c.sets) for c in hits if prefix.evictable(c))
-        if fresh <= table.available(exclude=[]) - taken:
+        taken = len(set(wanted[:hit_pages]) - table.in_use(exclude=[slot]))  # kept now, in use then
+        if fresh <= table.available(exclude=[slot]) - taken:  # the slot's other pages: not counted
             break
         hits.pop()
     if not hits:
         return 0
-    table.mapping.drop_pages(slot, 0)
+    kept = min(kept, len(hits) * prefix.pages)
+    table.mapping.drop_pages(slot, kept)
     table.assign(slot, seq_id)
     seq.slot = slot.index
     try:
-        table.map_cached(slot, [s for chunk in hits for s in chunk.sets])
+        table.map_cached(slot, wanted[kept : len(hits) * prefix.pages])
         if cow:
             table.copy_on_write(slot, first_write)
         table.back(slot, geo.pages_for(length), length, eager=False)
@@ -59,6 +62,16 @@ def sharing_gauges(table: SlotTable) -> tuple[int, int]:
     """(pages mapped by more than one slot, bytes that sharing saves now): what the slots map
     minus the distinct pages behind it."""
     units, size = table.geometry.units, table.geometry.page_size
-    counts = table.mappers().values()
+    counts = table.mappers(running_only=True).values()
     shared = sum(1 for c in counts if c > 1)
     return shared * units, sum(c - 1 for c in counts) * units * size
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common start of two lists of set ids."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -47,14 +47,30 @@ class SlotTable:
         return [s for s in self.slots if s.seq_id is None]
 
     def pick(self, needed: int) -> Slot | None:
-        """An idle slot: the lowest with enough kept pages, else the one keeping the most."""
+        """An idle slot: the lowest with enough usable kept pages, else the one keeping the most."""
         idle = self.idle()
         if not idle:
             return None
-        enough = [s for s in idle if len(s.sets) >= needed]
+        enough = [s for s in idle if self.usable(s) >= needed]
         if enough:
             return enough[0]
-        return min(idle, key=lambda s: (-len(s.sets), s.index))
+        return min(idle, key=lambda s: (-self.usable(s), s.index))
+
+    def usable(self, slot: Slot) -> int:
+        """Kept pages a new sequence may write: all of an idle slot's, unless it keeps a set someone
+        else holds (a cached chunk, a fork's page); then none, and clear_shared drops them all
+        before the slot stores anything."""
+        return 0 if any(self.pool.refcount[s] > 1 for s in slot.sets) else len(slot.sets)
+
+    def reusing(self, slots: list[Slot]) -> list[Slot]:
+        """Of idle slots about to hold sequences, those whose kept pages are reused (the rest are
+        dropped whole, so their pages count as available)."""
+        return [s for s in slots if self.usable(s)]
+
+    def clear_shared(self, slot: Slot) -> None:
+        """Drop an idle slot's kept pages if they start with a shared set (see usable)."""
+        if slot.sets and not self.usable(slot):
+            self.mapping.drop_pages(slot, 0)
 
     def place(self, seq_id: int, seq: SlotSeq, eager: bool) -> None:
         """Place a sequence none of whose prompt is cached: an idle slot, its kept pages reused."""
@@ -62,7 +78,8 @@ class SlotTable:
         slot = self.pick(needed)
         if slot is None:
             raise OutOfKVMemory(1, 0, "slots")
-        self.require(needed - len(slot.sets), exclude=slot)
+        self.require(needed - self.usable(slot), exclude=self.reusing([slot]))
+        self.clear_shared(slot)
         reused = min(needed, len(slot.sets))
         self.back(slot, needed, seq.length, eager)  # a failed map leaves it idle
         self.mapping.events.page_sets_reused += reused
@@ -124,6 +141,8 @@ class SlotTable:
     def map_cached(self, slot: Slot, sets: list[int]) -> None:
         """Map cached page sets at an empty slot's first pages (a prefix hit): one holder more each.
         A failed map gives the references back (map_sets releases what it was given)."""
+        if not sets:
+            return
         for set_id in sets:
             self.pool.share(set_id)
         self.mapping.map_sets(slot, sets, background=False)
@@ -140,10 +159,12 @@ class SlotTable:
         self.mapping.write_pages(slot, first, saved)
         self.mapping.events.cow_copies += count * self.geometry.units
 
-    def mappers(self) -> dict[int, int]:
-        """How many slots map each page set that some slot maps."""
+    def mappers(self, running_only: bool = False) -> dict[int, int]:
+        """How many slots (or sequences' slots) map each page set that some slot maps."""
         count: dict[int, int] = {}
         for slot in self.slots:
+            if running_only and slot.seq_id is None:
+                continue
             for set_id in slot.sets:
                 count[set_id] = count.get(set_id, 0) + 1
         return count
@@ -177,27 +198,35 @@ class SlotTable:
         return slot.sets[-1] + 1 if slot.sets else None
 
     def reclaimable(self, slot: Slot) -> int:
-        """Pages that can go without touching anything a sequence needs or a plan reads."""
+        """A running slot's pages that can go without touching anything its sequence needs or
+        a plan reads (mapped ahead, group padding). Idle slots' pages count in kept()."""
         if slot.seq_id is None:
-            return len(slot.sets)
+            return 0
         seq = self.seqs[slot.seq_id]
         return max(0, len(slot.sets) - max(self.geometry.pages_for(seq.length), slot.pinned))
 
-    def available(self, exclude: Slot | list[Slot] | None = None) -> int:
-        """Free page sets plus those reclaimable outside `exclude` (evictable cached chunks too)."""
+    def in_use(self, exclude: Slot | list[Slot] | None = None) -> set[int]:
+        """Page sets some sequence's slot maps, or a slot in `exclude` (its caller reuses them)."""
         skip = {s.index for s in (exclude if isinstance(exclude, list) else [exclude]) if s is not None}
-        cached = self.prefix.evictable_sets() if self.prefix is not None else 0
+        used: set[int] = set()
+        for slot in self.slots:
+            if slot.seq_id is not None or slot.index in skip:
+                used.update(slot.sets)
+        return used
+
+    def available(self, exclude: Slot | list[Slot] | None = None) -> int:
+        """Free page sets, kept ones (all held sets no sequence or `exclude` maps) and running
+        sequences' reclaimable surplus outside `exclude`."""
+        skip = {s.index for s in (exclude if isinstance(exclude, list) else [exclude]) if s is not None}
+        kept = self.pool.num_sets - self.pool.free_count - len(self.in_use(exclude))
         return (
-            self.pool.free_count
-            + cached
-            + sum(self.reclaimable(s) for s in self.slots if s.index not in skip)
+            self.pool.free_count + kept + sum(self.reclaimable(s) for s in self.slots if s.index not in skip)
         )
 
     def kept(self) -> int:
-        """Page sets held only for reuse: idle slots' (deferred reclamation) and cached chunks
-        nobody maps. All of them go back at once under pressure."""
-        cached = self.prefix.evictable_sets() if self.prefix is not None else 0
-        return cached + sum(len(s.sets) for s in self.idle())
+        """Page sets held only for reuse: mapped by idle slots only (deferred reclamation) or
+        cached chunks nobody maps. All of them can go back at once."""
+        return self.pool.num_sets - self.pool.free_count - len(self.in_use())
 
     def require(self, missing: int, exclude: Slot | list[Slot]) -> None:
         """Raise OutOfKVMemory, before any change, unless `missing` page sets can be found."""
@@ -208,23 +237,20 @@ class SlotTable:
                 raise OutOfKVMemory(missing * units, available * units, "pages")
 
     def _reclaim(self, n: int, exclude: Slot) -> None:
-        """Free n page sets: idle slots' kept pages first (highest slot first), then cached
-        chunks (least recently used first), then running sequences' mapped-ahead pages."""
-        idle = sorted(self.idle(), key=lambda s: -s.index)
-        running = sorted((s for s in self.slots if s.seq_id is not None), key=lambda s: -s.index)
-        n = self._drop(idle, n, exclude)
-        if n > 0 and self.prefix is not None:
-            n -= len(self.prefix.evict(n))
-        self._drop(running, n, exclude)
-
-    def _drop(self, slots: list[Slot], n: int, exclude: Slot | None) -> int:
-        """Reclaim up to n page sets from the slots' tails, in order; returns how many are still missing."""
-        for slot in slots:
-            if n <= 0:
-                break
-            take = min(n, self.reclaimable(slot)) if slot is not exclude else 0
-            if take:
+        """Free n page sets (require checked they exist): idle slots' kept pages first (highest
+        slot first, each whole: what it shares may sit anywhere in it), then cached chunks
+        least recently used first, then running sequences' mapped-ahead pages."""
+        goal = self.pool.free_count + n
+        for slot in sorted(self.idle(), key=lambda s: -s.index):
+            if self.pool.free_count >= goal:
+                return
+            if slot is not exclude and slot.sets:
+                self.mapping.events.page_sets_reclaimed += len(slot.sets)
+                self.mapping.drop_pages(slot, 0)
+        if self.pool.free_count < goal and self.prefix is not None:
+            self.prefix.evict(goal - self.pool.free_count)
+        for slot in sorted((s for s in self.slots if s.seq_id is not None), key=lambda s: -s.index):
+            take = min(goal - self.pool.free_count, self.reclaimable(slot)) if slot is not exclude else 0
+            if take > 0:
                 self.mapping.drop_pages(slot, len(slot.sets) - take)
                 self.mapping.events.page_sets_reclaimed += take
-                n -= take
-        return n

@@ -38,8 +38,12 @@ def swap_in(
     if len(idle) < len(seqs):
         raise OutOfKVMemory(len(seqs), len(idle), "slots")
     targets = idle[: len(seqs)]
-    missing = sum(max(0, geo.pages_for(q.length) - len(s.sets)) for q, s in zip(seqs, targets, strict=True))
-    table.require(missing, exclude=targets)
+    missing = sum(
+        max(0, geo.pages_for(q.length) - table.usable(s)) for q, s in zip(seqs, targets, strict=True)
+    )
+    table.require(missing, exclude=table.reusing(targets))
+    for slot in targets:
+        table.clear_shared(slot)  # the host copy is written over whatever the slot keeps
     for seq_id, seq, slot in zip(seq_ids, seqs, targets, strict=True):
         table.assign(slot, seq_id)  # all targets first, so mapping one never reclaims another's pages
         seq.slot = slot.index
