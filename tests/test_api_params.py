@@ -190,6 +190,31 @@ def test_echo_returns_the_prompt_before_the_completion(client: openai.OpenAI) ->
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == echoed.choices[0].text
 
 
+def test_echo_with_logprobs_puts_the_prompts_logprobs_first(client: openai.OpenAI, served: Served) -> None:
+    """As vLLM: the prompt's tokens and logprobs (none for the first token) come before the
+    completion's, in one response and across a stream alike."""
+    plain = complete(client, max_tokens=4, logprobs=2).choices[0]
+    prompt = complete(client, max_tokens=4, prompt_logprobs=2).choices[0].prompt_logprobs
+    echoed = complete(client, max_tokens=4, logprobs=2, echo=True).choices[0]
+    lp = echoed.logprobs
+    n = len(PROMPT)
+    assert lp.tokens == [served.engine.tokenizer.decode([t]) for t in PROMPT] + plain.logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, n):
+        assert lp.token_logprobs[j] == pytest.approx(prompt[j][str(PROMPT[j])]["logprob"])
+    assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs)
+    assert lp.text_offset[n] == len(echoed.text) - len(plain.text)  # the completion starts after the echo
+    assert lp.text_offset == sorted(lp.text_offset)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0, logprobs=2, echo=True, stream=True
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == echoed.text
+    assert [t for c in chunks for t in c.logprobs.tokens] == lp.tokens
+    # the prompt's offsets, and where the completion starts; later offsets follow each stream's text
+    assert [o for c in chunks for o in c.logprobs.text_offset][: n + 1] == lp.text_offset[: n + 1]
+
+
 def test_a_stop_string_is_the_stop_reason(client: openai.OpenAI, served: Served) -> None:
     bias = {str(single_token(served, WORD)): 100.0}
     out = complete(client, logit_bias=bias, stop=["the the"]).choices[0]
@@ -352,7 +377,6 @@ def test_prompt_logprobs_come_in_vllms_shape(
     [
         ({"suffix": "the end"}, "suffix"),
         ({"best_of": 2}, "best_of"),
-        ({"echo": True, "logprobs": 1}, "echo"),
         ({"bad_words": [""]}, "bad_words"),
         ({"bad_words": ["x"] * 129}, "bad_words"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),

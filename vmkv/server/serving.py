@@ -76,6 +76,7 @@ class Choice:
 
     index: int
     echo: str = ""  # sent before the first generated text (completions' echo)
+    echo_ids: list[int] = field(default_factory=list)  # its tokens, for echo with logprobs
     text: str = ""
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -267,7 +268,7 @@ class OpenAIServing:
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=body.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs(body, logprobs),
             skip_special_tokens=body.skip_special_tokens,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
@@ -324,7 +325,7 @@ class OpenAIServing:
                 CompletionChoice(
                     index=choice.index,
                     text=choice.echo + choice.text,
-                    logprobs=self.completion_logprobs(choice.logprobs, 0)
+                    logprobs=self.echoed_logprobs(choice, body.logprobs)
                     if body.logprobs is not None
                     else None,
                     prompt_logprobs=self.prompt_logprobs(choice.prompt_logprobs, body.prompt_logprobs),
@@ -353,7 +354,9 @@ class OpenAIServing:
         choices = new_choices(submissions)
         with_logprobs = body.logprobs is not None
         try:
-            if body.echo:  # the prompts first, as a chunk of their own (logprobs are refused with echo)
+            # The prompts first, as a chunk of their own; with logprobs they ride on each choice's
+            # first chunk instead, since the prompt's logprobs arrive with the first token.
+            if body.echo and not with_logprobs:
                 echoed = [CompletionChoice(index=choice.index, text=choice.echo) for choice in choices]
                 yield sse_event(
                     CompletionResponse(id=request_id, created=created, model=self.model_name, choices=echoed)
@@ -363,9 +366,9 @@ class OpenAIServing:
                     chunk_choices = [
                         CompletionChoice(
                             index=item.choice.index,
-                            text=item.delta.text,
+                            text=(item.choice.echo if echoes else "") + item.delta.text,
                             logprobs=(
-                                self.completion_logprobs(item.delta.logprobs or [], item.text_start)
+                                self.echoed_logprobs(item.choice, body.logprobs, item)
                                 if with_logprobs
                                 else None
                             ),
@@ -377,6 +380,7 @@ class OpenAIServing:
                         )
                         for item in step
                         if item.worth_sending(with_logprobs)
+                        for echoes in [bool(item.choice.echo) and with_logprobs and item.text_start == 0]
                     ]
                     if chunk_choices:
                         yield sse_event(
@@ -397,6 +401,37 @@ class OpenAIServing:
         except (EngineDeadError, RequestFailed, RequestRejected) as error:
             yield error_event(error)
         yield DONE_EVENT
+
+    def echoed_logprobs(
+        self, choice: Choice, k: int | None, step: ChoiceDelta | None = None
+    ) -> CompletionLogprobs:
+        """Logprobs of a choice's tokens (of one step's delta, if given), after the prompt's own
+        when the prompt is echoed and this is the choice's start (vLLM's echo with logprobs;
+        the first prompt token has none). Text offsets count the echoed prompt."""
+        generated, text_start = (
+            (choice.logprobs, 0) if step is None else (step.delta.logprobs or [], step.text_start)
+        )
+        result = self.completion_logprobs(generated, len(choice.echo) + text_start)
+        if not choice.echo or text_start != 0:
+            return result
+        prompt = CompletionLogprobs()
+        offset = 0
+        for token_id, entry in zip(choice.echo_ids, choice.prompt_logprobs or [], strict=True):
+            token = self.token_text(token_id)
+            prompt.tokens.append(token)
+            prompt.text_offset.append(offset)
+            offset += len(token)
+            if entry is None:
+                prompt.token_logprobs.append(None)
+                prompt.top_logprobs.append(None)
+                continue
+            top = {token: entry[0][token_id]}
+            top.update((self.token_text(t), lp) for t, lp in list(entry[0].items())[: k or 0])
+            prompt.token_logprobs.append(entry[0][token_id])
+            prompt.top_logprobs.append(top)
+        for name in ("tokens", "text_offset", "token_logprobs", "top_logprobs"):
+            getattr(prompt, name).extend(getattr(result, name))
+        return prompt
 
     def completion_logprobs(self, logprobs: list[TokenLogprob], text_start: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
@@ -595,8 +630,20 @@ def completion_prompts(body: CompletionRequest) -> list[str] | list[list[int]]:
     return prompt
 
 
+def prompt_logprobs(body: CompletionRequest | ChatCompletionRequest, logprobs: int | None) -> int | None:
+    """How many top tokens the engine reports per prompt token: prompt_logprobs's, and as many
+    as logprobs asks for when a completion echoes its prompt with logprobs."""
+    if not body.echo or logprobs is None:
+        return body.prompt_logprobs
+    return max(body.prompt_logprobs or 0, logprobs)
+
+
 def new_choices(submissions: list[Submission]) -> list[Choice]:
-    return [Choice(index=s.choice_offset + i, echo=s.echo) for s in submissions for i in range(s.params.n)]
+    return [
+        Choice(index=s.choice_offset + i, echo=s.echo, echo_ids=s.prompt_ids if s.echo else [])
+        for s in submissions
+        for i in range(s.params.n)
+    ]
 
 
 # (param, whether the request sets it, why it is refused): known fields not implemented here
@@ -641,7 +688,6 @@ def completion_refusals(body: CompletionRequest) -> list[Refusal]:
             body.best_of is not None and body.best_of != body.n,
             "sampling more choices than n and returning the best is not implemented; ask for n",
         ),
-        ("echo", body.echo and body.logprobs is not None, "echo with logprobs needs the prompt's logprobs"),
     ]
 
 
