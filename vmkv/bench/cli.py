@@ -371,14 +371,27 @@ def _run_online(
         return run_interleaved(targets, rounds, args.slo, progress)
 
 
+def device_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """Engine fields the device decides: on a GPU "auto" dtype is bfloat16 (every GPU the engine
+    supports multiplies it natively; auto_dtype reads CPU flags). Refuses a device torch cannot use
+    before anything is built."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this torch sees no CUDA GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device must be cpu or cuda[:N], got {args.device}")
+    return {"dtype": "bfloat16"} if device.type == "cuda" and args.dtype == AUTO_DTYPE else {}
+
+
 def bench_main(args: argparse.Namespace) -> None:
     """Run the selected sections and write the report under args.out."""
+    overrides = device_overrides(args)
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for the server processes
     plan = make_plan(args)
     model_path = resolve_model(args.model)
-    config = engine_config(args, model=str(model_path), seed=args.seed, num_threads=args.threads)
+    config = engine_config(args, model=str(model_path), seed=args.seed, num_threads=args.threads, **overrides)
     kv_shape, attention_shape = model_shapes(model_path, config.torch_dtype, args.block_size)
     tokens = token_range(model_path)
     offline_rounds = build_rounds(args, plan, tokens, plan.offline)
@@ -411,6 +424,7 @@ def bench_main(args: argparse.Namespace) -> None:
                 attention_shape,
                 plan.profile.kernel_contexts,
                 plan.profile.kernel_batches,
+                device=config.device,
                 progress=lambda key: progress(f"kernels {key}"),
             )
         if "offline" in plan.sections:
