@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup gpu-setup run test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# On a GPU machine only (never part of `make test`): the CUDA VMM bindings and Triton, from the
+# `gpu` extra (`make gpu-setup CUDA_EXTRA=cuda12` on a CUDA 12 driver: cuda-python 13.x needs an
+# R580+ driver). FLASH_ATTN=1 also builds flash-attn from source: it needs nvcc, torch importable
+# in the build (--no-build-isolation) and a long compile. Checks that a GPU is there first.
+CUDA_EXTRA ?= gpu
+gpu-setup: $(STAMP)
+	@$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-setup: this torch sees no CUDA GPU')"
+	$(BIN)/pip install --quiet -e '.[$(CUDA_EXTRA)]'
+	if [ "$(FLASH_ATTN)" = "1" ]; then $(BIN)/pip install --no-build-isolation 'flash-attn>=2.6'; fi
 
 KV_MODE ?= vattention
 
