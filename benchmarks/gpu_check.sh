@@ -4,6 +4,12 @@
 #
 #   OUT=/some/dir benchmarks/gpu_check.sh            # on a GPU machine
 #   OUT=/some/dir benchmarks/gpu_check.sh --dry-run  # the same stages on a CPU, in about a minute
+#   benchmarks/gpu_check.sh --fetch-wheels           # on a connected machine, before going offline
+#
+# The lent machine has torch, transformers, Triton and cuda-bindings but no internet and not every
+# dependency vmkv imports (msgspec, pyzmq, ...): --fetch-wheels downloads those as Python 3.12
+# manylinux wheels into build/gpu-wheels (ignored by git; carry it), and the install stage
+# installs them from there, offline, when vmkv's engine does not import.
 #
 # Stages, each under its own time limit (the sum stays under 8 minutes): install (vmkv with
 # --no-deps, only if it does not import), versions, the GPU tests, a driver probe (view before
@@ -14,7 +20,15 @@
 set -u
 cd "$(dirname "$0")/.."
 DRY=""
+WHEELS=build/gpu-wheels
+WHEEL_PACKAGES="msgspec pyzmq psutil accelerate pytest pluggy iniconfig"
 if [ "${1:-}" = "--dry-run" ]; then DRY="--dry-run"; fi
+if [ "${1:-}" = "--fetch-wheels" ]; then
+    mkdir -p "$WHEELS"
+    exec "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+        -d "$WHEELS" $WHEEL_PACKAGES
+fi
 OUT="${OUT:-gpu-check-out}"
 PY="${PYTHON:-python3}"
 if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
@@ -35,6 +49,16 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log it, record its
 
 if ! "$PY" -c "import vmkv" 2>/dev/null; then
     stage install 60 "$PY" -m pip install --quiet -e . --no-deps --no-build-isolation
+fi
+missing_wheels() {  # the carried wheels whose module does not import here (never replace one that does)
+    local pair
+    for pair in msgspec:msgspec zmq:pyzmq psutil:psutil accelerate:accelerate pytest:pytest \
+        pluggy:pluggy iniconfig:iniconfig; do
+        "$PY" -c "import ${pair%%:*}" 2>/dev/null || ls "$WHEELS/${pair#*:}"-*.whl 2>/dev/null
+    done
+}
+if [ -d "$WHEELS" ] && [ -n "$(missing_wheels)" ]; then
+    stage install-wheels 60 "$PY" -m pip install --quiet --no-index --no-deps $(missing_wheels)
 fi
 stage versions 30 "$PY" benchmarks/gpu_driver_check.py versions --out "$OUT" $DRY
 # The tests that exercise the GPU path (on a CPU they run their fake-driver and interpreter halves).
