@@ -1,6 +1,6 @@
-"""The correctness oracle: the reference itself on the tiny model; then, fast, SmolLM2-135M in float32, a few chat prompts batched,
-every kv mode, with preemption forced by a small KV budget. The full oracle (16 prompts,
-fp32 and the bf16 policy) is `python benchmarks/bench_engine.py oracle`."""
+"""The correctness oracle: the reference itself on the tiny model; then, fast, SmolLM2-135M in
+float32, a few chat prompts batched, every kv mode, with preemption forced by a small KV budget.
+The full oracle (16 prompts, fp32 and the bf16 policy) is `python benchmarks/bench_engine.py oracle`."""
 
 from __future__ import annotations
 
