@@ -46,6 +46,14 @@ def _init_torch_cuda(index: int) -> None:
     torch.empty(1, device=f"cuda:{index}")
 
 
+def allocation_granularity(device: int = 0) -> int:
+    """The smallest page a CudaDriver can map on `device` (the VMM minimum granularity, 2 MiB on
+    current GPUs), for layouts that size pages and budgets before they build a driver. Asked of
+    a one-page driver, so it takes the same context and error handling as every other call."""
+    with CudaDriver(1, device=device) as probe:
+        return probe.granularity
+
+
 class CudaDriver(MemoryDriver):
     """Physical pages from pre-created cuMemCreate handles, mapped into reserved GPU ranges.
 
@@ -89,6 +97,7 @@ class CudaDriver(MemoryDriver):
                     self._alloc_prop(),
                     self._drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
                 )
+                self.granularity = int(granularity)
                 page_size = granularity if page_size is None else page_size
                 if page_size <= 0 or page_size % granularity:
                     raise ValueError(

@@ -611,6 +611,12 @@ def test_real_gpu_view_before_map_then_write_read_and_unmap_after_kernel():
         assert float(total) == 1.5 * (2 * page // 4)
 
 
+def test_allocation_granularity_without_keeping_a_pool(fake):
+    assert cuda_driver.allocation_granularity(1) == G
+    assert fake.args_of("cuDeviceGet") == [(1,)]
+    assert not fake.live_handles and fake.retains == 0  # the probe's page and context given back
+
+
 def test_punch_keeps_the_handle(fake):
     drv = CudaDriver(1)
     pages = drv.alloc(1)
