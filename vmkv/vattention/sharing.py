@@ -39,12 +39,14 @@ def place_with_hits(
         hits.pop()
     if not hits:
         return 0
-    kept = min(kept, len(hits) * prefix.pages)
-    table.mapping.drop_pages(slot, kept)
+    kept = min(kept, hit_pages)
+    private_tail = all(table.pool.refcount[s] == 1 for s in slot.sets[kept:])
+    if kept < hit_pages or cow or not private_tail:
+        table.mapping.drop_pages(slot, kept)  # else the pages after the hit are reused as storage
     table.assign(slot, seq_id)
     seq.slot = slot.index
     try:
-        table.map_cached(slot, wanted[kept : len(hits) * prefix.pages])
+        table.map_cached(slot, wanted[kept:hit_pages])
         if cow:
             table.copy_on_write(slot, first_write)
         table.back(slot, geo.pages_for(length), length, eager=False)
