@@ -3,6 +3,7 @@
 from vmkv.engine.async_engine import AsyncLLM, EngineDead
 from vmkv.engine.async_process import AsyncProcessLLM, EngineStartError
 from vmkv.engine.config import EngineConfig
+from vmkv.engine.data_parallel import DataParallelLLM
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.llm import LLM
 from vmkv.engine.llm_engine import EngineStats, LLMEngine
@@ -15,6 +16,7 @@ __all__ = [
     "AsyncLLM",
     "AsyncProcessLLM",
     "CompletionOutput",
+    "DataParallelLLM",
     "EngineConfig",
     "EngineDead",
     "EngineStartError",

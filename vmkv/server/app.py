@@ -129,7 +129,7 @@ def build_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(serving.metrics.render(engine.stats()), media_type=CONTENT_TYPE)
+        return PlainTextResponse(serving.metrics.render(engine.replica_stats()), media_type=CONTENT_TYPE)
 
     @app.get("/version")
     async def server_version() -> VersionResponse:

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from vmkv.engine import AsyncLLM, AsyncProcessLLM, CompletionOutput, EngineDead, EngineStats, SamplingParams
+from vmkv.engine import (
+    AsyncLLM,
+    AsyncProcessLLM,
+    CompletionOutput,
+    DataParallelLLM,
+    EngineDead,
+    EngineStats,
+    SamplingParams,
+)
 from vmkv.engine.outputs import PromptLogprob
 
 
@@ -56,7 +64,7 @@ class _Sent:
 class EngineClient:
     """Over either front door: AsyncLLM (engine on a thread) or AsyncProcessLLM (its own process)."""
 
-    def __init__(self, llm: AsyncLLM | AsyncProcessLLM) -> None:
+    def __init__(self, llm: AsyncLLM | AsyncProcessLLM | DataParallelLLM) -> None:
         self.llm = llm
         self.tokenizer: PreTrainedTokenizerBase = llm.tokenizer
         self.max_model_len: int = llm.info.max_model_len
@@ -100,6 +108,12 @@ class EngineClient:
 
     def stats(self) -> EngineStats:
         return self.llm.stats()
+
+    def replica_stats(self) -> list[EngineStats]:
+        """One EngineStats per data-parallel replica (one in all for a single engine)."""
+        if isinstance(self.llm, DataParallelLLM):
+            return self.llm.replica_stats()
+        return [self.llm.stats()]
 
     def shutdown(self) -> None:
         """Stop the engine; from now on the server answers 503."""

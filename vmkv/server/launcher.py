@@ -8,8 +8,9 @@ from pathlib import Path
 
 import uvicorn
 
-from vmkv.engine import AsyncLLM, AsyncProcessLLM, EngineStartError
+from vmkv.engine import AsyncLLM, AsyncProcessLLM, DataParallelLLM, EngineStartError
 from vmkv.engine.args import add_engine_arguments, engine_config, positive_int
+from vmkv.engine.data_parallel import ROUTINGS
 from vmkv.server.app import build_app
 from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
 from vmkv.server.engine_client import EngineClient
@@ -86,6 +87,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine in its own process (default: faster, see docs/server.md); "
         "--no-engine-process steps it on a thread of the server process",
     )
+    engine.add_argument(
+        "--data-parallel-size",
+        type=positive_int,
+        default=1,
+        help="engine processes, each with its own model copy and KV cache; requests go to the one "
+        "holding their prompt's longest cached prefix, else the least loaded (docs/scale-out.md)",
+    )
+    engine.add_argument(
+        "--data-parallel-routing",
+        choices=ROUTINGS,
+        default="prefix",
+        help="how requests pick a replica (round-robin: the baseline, ignoring prefixes and load)",
+    )
     add_engine_arguments(engine)
 
 
@@ -101,8 +115,15 @@ def served_model_name(args: argparse.Namespace) -> str:
 def serve_main(args: argparse.Namespace) -> None:
     """Serve until interrupted; the engine is shut down (KV freed) on the way out."""
     engine_settings = engine_config(args)
+    if args.data_parallel_size > 1 and not args.engine_process:
+        raise SystemExit("vmkv: error: --data-parallel-size needs --engine-process")
     try:
-        llm = AsyncProcessLLM(engine_settings) if args.engine_process else AsyncLLM(engine_settings)
+        if args.data_parallel_size > 1:
+            llm = DataParallelLLM(engine_settings, args.data_parallel_size, args.data_parallel_routing)
+        elif args.engine_process:
+            llm = AsyncProcessLLM(engine_settings)
+        else:
+            llm = AsyncLLM(engine_settings)
     except EngineStartError as error:
         raise SystemExit(f"vmkv: error: {error}") from error
     engine = EngineClient(llm)

@@ -107,63 +107,43 @@ class ServingMetrics:
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def render(self, engine: EngineStats) -> str:
-        memory = engine.memory
-        common: list[tuple[str, str, str, float]] = [
-            ("num_requests_running", "gauge", "Requests in the running batch.", engine.num_running),
-            (
-                "num_requests_waiting",
-                "gauge",
-                "Requests waiting, preempted or swapped out.",
-                engine.num_waiting + engine.num_swapped,
-            ),
-            ("kv_cache_usage_perc", "gauge", "Fraction of the KV budget in use (1 = 100%).", engine.kv_usage),
-            ("num_preemptions_total", "counter", "Sequences preempted.", engine.num_preemptions),
-            (
-                "prefix_cache_queries_total",
-                "counter",
-                "Prompt tokens looked up in the prefix cache.",
-                engine.prefix_cache_queries,
-            ),
-            (
-                "prefix_cache_hits_total",
-                "counter",
-                "Prompt tokens found in the prefix cache.",
-                engine.prefix_cache_hits,
-            ),
-            ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
-            (
-                "generation_tokens_total",
-                "counter",
-                "Tokens generated for finished requests.",
-                self.generation_tokens,
-            ),
-        ]
-        own: list[tuple[str, str, str, float]] = [
-            (
-                "kv_cache_reserved_bytes",
-                "gauge",
-                "KV address space or up-front reservation.",
-                memory.reserved_bytes,
-            ),
-            ("kv_cache_allocated_bytes", "gauge", "KV physical memory held.", memory.allocated_bytes),
-            ("kv_cache_used_bytes", "gauge", "KV bytes of stored tokens.", memory.used_bytes),
-            ("kv_cache_fragmentation_bytes", "gauge", "KV allocated minus used.", memory.fragmentation_bytes),
-        ]
-        kv = engine.kv_stats
-        own += [
-            (f"kv_{name}", "gauge", f"KV layout {name.replace('units', kv.unit + 's')}.", value)
-            for name, value in kv.present().items()
-        ]
+    def render(self, engines: list[EngineStats]) -> str:
+        """What the engines report (one per data-parallel replica, labelled `replica` when there
+        are several) and what this front end measured."""
+        labels = [self.labels]
+        if len(engines) > 1:
+            labels = [{**self.labels, "replica": str(r)} for r in range(len(engines))]
+        common, own = zip(*(engine_samples(engine) for engine in engines), strict=True)
         out: list[str] = []
-        for name, kind, help_text, value in common:
-            self._sample(out, COMMON_PREFIX + name, kind, help_text, value)
+        self._engine_samples(out, COMMON_PREFIX, common, labels)
+        for name, help_text, value in (
+            ("prompt_tokens_total", "Prompt tokens of finished requests.", self.prompt_tokens),
+            ("generation_tokens_total", "Tokens generated for finished requests.", self.generation_tokens),
+        ):
+            self._sample(out, COMMON_PREFIX + name, "counter", help_text, [(self.labels, value)])
         self._request_success(out)
         for histogram in (self.ttft, self.itl, self.tpot, self.e2e):
             self._histogram(out, histogram)
-        for name, kind, help_text, value in own:
-            self._sample(out, PREFIX + name, kind, help_text, value)
+        self._engine_samples(out, PREFIX, own, labels)
         return "\n".join(out) + "\n"
+
+    def _engine_samples(
+        self,
+        out: list[str],
+        prefix: str,
+        per_engine: tuple[dict[str, Sample], ...],
+        labels: list[dict[str, str]],
+    ) -> None:
+        for name in dict.fromkeys(name for samples in per_engine for name in samples):
+            present = [
+                (where, samples[name])
+                for where, samples in zip(labels, per_engine, strict=True)
+                if name in samples
+            ]
+            kind, help_text, _ = present[0][1]
+            self._sample(
+                out, prefix + name, kind, help_text, [(where, sample[2]) for where, sample in present]
+            )
 
     def _request_success(self, out: list[str]) -> None:
         name = COMMON_PREFIX + "request_success_total"
@@ -172,12 +152,11 @@ class ServingMetrics:
             labels = format_labels({**self.labels, "finished_reason": reason})
             out.append(f"{name}{labels} {format_value(self.request_success[reason])}")
 
-    def _sample(self, out: list[str], name: str, kind: str, help_text: str, value: float) -> None:
-        out += [
-            f"# HELP {name} {help_text}",
-            f"# TYPE {name} {kind}",
-            f"{name}{format_labels(self.labels)} {format_value(value)}",
-        ]
+    def _sample(
+        self, out: list[str], name: str, kind: str, help_text: str, values: list[tuple[dict[str, str], float]]
+    ) -> None:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        out += [f"{name}{format_labels(labels)} {format_value(value)}" for labels, value in values]
 
     def _histogram(self, out: list[str], histogram: Histogram) -> None:
         name = COMMON_PREFIX + histogram.name
@@ -190,6 +169,49 @@ class ServingMetrics:
         out.append(f"{name}_bucket{format_labels({**self.labels, 'le': '+Inf'})} {histogram.count}")
         out.append(f"{name}_sum{format_labels(self.labels)} {format_value(histogram.sum)}")
         out.append(f"{name}_count{format_labels(self.labels)} {histogram.count}")
+
+
+Sample = tuple[str, str, float]  # kind, help, value
+
+
+def engine_samples(engine: EngineStats) -> tuple[dict[str, Sample], dict[str, Sample]]:
+    """One engine's samples by name: those vLLM also exports, then vmkv's own."""
+    memory, kv = engine.memory, engine.kv_stats
+    common = {
+        "num_requests_running": ("gauge", "Requests in the running batch.", engine.num_running),
+        "num_requests_waiting": (
+            "gauge",
+            "Requests waiting, preempted or swapped out.",
+            engine.num_waiting + engine.num_swapped,
+        ),
+        "kv_cache_usage_perc": ("gauge", "Fraction of the KV budget in use (1 = 100%).", engine.kv_usage),
+        "num_preemptions_total": ("counter", "Sequences preempted.", engine.num_preemptions),
+        "prefix_cache_queries_total": (
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            engine.prefix_cache_queries,
+        ),
+        "prefix_cache_hits_total": (
+            "counter",
+            "Prompt tokens found in the prefix cache.",
+            engine.prefix_cache_hits,
+        ),
+    }
+    own = {
+        "kv_cache_reserved_bytes": (
+            "gauge",
+            "KV address space or up-front reservation.",
+            memory.reserved_bytes,
+        ),
+        "kv_cache_allocated_bytes": ("gauge", "KV physical memory held.", memory.allocated_bytes),
+        "kv_cache_used_bytes": ("gauge", "KV bytes of stored tokens.", memory.used_bytes),
+        "kv_cache_fragmentation_bytes": ("gauge", "KV allocated minus used.", memory.fragmentation_bytes),
+    }
+    own.update(
+        (f"kv_{name}", ("gauge", f"KV layout {name.replace('units', kv.unit + 's')}.", value))
+        for name, value in kv.present().items()
+    )
+    return common, own
 
 
 def format_labels(labels: dict[str, str]) -> str:
