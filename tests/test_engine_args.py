@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 
+from vmkv.bench.online import serve_arguments
 from vmkv.engine.args import add_engine_arguments, engine_config, engine_flags
 from vmkv.engine.config import EngineConfig
 from vmkv.server.launcher import add_serve_arguments
@@ -68,3 +69,12 @@ def test_skipped_fields_come_from_overrides_and_auto_dtype_resolves() -> None:
 def test_a_budget_that_is_not_whole_mib_has_no_flag() -> None:
     with pytest.raises(ValueError, match="MiB"):
         engine_flags(EngineConfig(kv_budget_bytes=(1 << 20) + 1))
+
+
+def test_the_bench_starts_its_servers_with_the_same_settings_on_every_replica() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    config = EngineConfig(kv_mode="paged", block_size=8, seed=5)
+    args = parser.parse_args(serve_arguments(config, 8123, data_parallel_size=2))
+    assert engine_config(args) == config and args.data_parallel_size == 2 and args.port == 8123
+    assert parser.parse_args(serve_arguments(config, 8123)).data_parallel_size == 1

@@ -159,11 +159,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--num-requests", type=positive_int, default=None, help="requests per run")
     run.add_argument(
-        "--repeats", type=positive_int, default=None, help="A B A B rounds per workload and rate"
+        "--data-parallel-size",
+        type=positive_int,
+        default=1,
+        help="engine processes behind each online server (vmkv serve --data-parallel-size)",
     )
     run.add_argument(
-        "--max-prompt", type=positive_int, default=None, help="clip prompt lengths (short: 512)"
+        "--repeats", type=positive_int, default=None, help="A B A B rounds per workload and rate"
     )
+    run.add_argument("--max-prompt", type=positive_int, default=None, help="clip prompt lengths (short: 512)")
     run.add_argument("--max-output", type=positive_int, default=None, help="clip output lengths (short: 48)")
     run.add_argument(
         "--rates", type=_rates, default=None, help="offline arrival rates in req/s, e.g. 1,4,inf"
@@ -354,7 +358,9 @@ def _run_online(
         servers = []
         for mode in args.modes:
             server = ServerProcess(
-                dataclasses.replace(config, kv_mode=mode), args.out / "logs" / f"server-{mode}.log"
+                dataclasses.replace(config, kv_mode=mode),
+                args.out / "logs" / f"server-{mode}.log",
+                data_parallel_size=args.data_parallel_size,
             )
             server.start()
             stack.callback(server.stop)

@@ -46,20 +46,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def serve_arguments(config: EngineConfig, port: int, host: str = "127.0.0.1") -> list[str]:
-    """`vmkv serve` flags for the same engine settings as an offline run."""
-    return [*engine_flags(config), "--host", host, "--port", str(port), "--log-level", "warning"]
+def serve_arguments(
+    config: EngineConfig, port: int, host: str = "127.0.0.1", data_parallel_size: int = 1
+) -> list[str]:
+    """`vmkv serve` flags for the same engine settings as an offline run (on each replica)."""
+    flags = [*engine_flags(config), "--host", host, "--port", str(port), "--log-level", "warning"]
+    return flags + (["--data-parallel-size", str(data_parallel_size)] if data_parallel_size > 1 else [])
 
 
 class ServerProcess:
     """Our server for one engine config, in a child process so that it never shares the client's GIL."""
 
-    def __init__(self, config: EngineConfig, log_path: Path, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, config: EngineConfig, log_path: Path, host: str = "127.0.0.1", data_parallel_size: int = 1
+    ) -> None:
         self.config = config
         self.log_path = log_path
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
-        self._args = serve_arguments(config, self.port, host)
+        self._args = serve_arguments(config, self.port, host, data_parallel_size)
         self._process: subprocess.Popen | None = None
 
     def start(self) -> None:
