@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -233,11 +234,40 @@ def serve_and_measure(
             # Prompts differ from every earlier run on this server (else a prefix cache answers
             # them) and are the same for every target at this round and rate.
             seed = round_index * len(args.rates) + rate_index
+            before = cpu_split(server.pid)
             runs.append(client_run(args, peer_python, model, url, target, dtype, rate, round_index, seed))
+            runs[-1].update(cpu_delta(before, cpu_split(server.pid)))
     finally:
         stop_group(server)
         log.close()
     return runs
+
+
+def cpu_split(server_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the server's front process, of its descendants (the engine
+    processes), and of this script's finished children (the benchmark clients), with the wall
+    clock: the difference between a served and an offline run is where these go."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    descendants, frontier = set(), {server_pid}
+    while frontier:
+        frontier = {pid for pid, (parent, _) in stats.items() if parent in frontier} - descendants
+        descendants |= frontier
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {
+        "front_cpu_s": stats.get(server_pid, (0, 0.0))[1],
+        "engine_cpu_s": sum(stats[pid][1] for pid in descendants),
+        "client_cpu_s": children.ru_utime + children.ru_stime,
+        "wall_s": time.monotonic(),
+    }
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before[key] for key in before}
 
 
 def stop_group(server: subprocess.Popen) -> None:
@@ -377,6 +407,23 @@ def markdown(runs: list[dict]) -> str:
             f"| {fmt(median(rows, 'median_tpot_ms'))} / {fmt(median(rows, 'p99_tpot_ms'))} "
             f"| {fmt(median(rows, 'median_itl_ms'))} | {fmt(median(rows, 'completed'), 0)} | {len(rows)} |"
         )
+    lines += [
+        "",
+        f"Where the {os.cpu_count()} cores went during served runs (CPU seconds, medians): the engine "
+        "processes, the server's front process, the benchmark client, and what nobody used.",
+        "",
+        "| target | rate | wall s | engine | front | client | idle |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (mode, rate, target, _), rows in sorted(groups.items()):
+        if mode != "served" or median(rows, "wall_s") is None:
+            continue
+        wall, engine, front, client = (
+            median(rows, k) for k in ("wall_s", "engine_cpu_s", "front_cpu_s", "client_cpu_s")
+        )
+        idle = wall * (os.cpu_count() or 1) - engine - front - client
+        cells = [target, rate] + [fmt(value) for value in (wall, engine, front, client, idle)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
