@@ -17,6 +17,8 @@
 # async kernel, raw call times), the kernel-compatibility matrix on both layouts, and an A/B of
 # vattention (with and without the background mapper) against paged on the default model's shape
 # and on a random-weight 1B-shape Llama. A failing stage is recorded and the next one runs.
+# Worst case, every stage at its limit: 40 + 30 + 20 + 90 + 30 + 60 + 170 s plus 3 s of grace
+# each, about 7 min 40 s; the A/B writes its JSON after every row, so a cut-off run keeps them.
 set -u
 cd "$(dirname "$0")/.."
 DRY=""
@@ -41,14 +43,14 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log it, record its
     shift 2
     local start=$SECONDS
     echo "== $name (limit ${limit}s)"
-    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout --kill-after=3 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - start))}" >> "$STAGES"
     tail -n 3 "$OUT/$name.log"
 }
 
 if ! "$PY" -c "import vmkv" 2>/dev/null; then
-    stage install 60 "$PY" -m pip install --quiet -e . --no-deps --no-build-isolation
+    stage install 40 "$PY" -m pip install --quiet -e . --no-deps --no-build-isolation
 fi
 missing_wheels() {  # the carried wheels whose module does not import here (never replace one that does)
     local pair
@@ -58,16 +60,16 @@ missing_wheels() {  # the carried wheels whose module does not import here (neve
     done
 }
 if [ -d "$WHEELS" ] && [ -n "$(missing_wheels)" ]; then
-    stage install-wheels 60 "$PY" -m pip install --quiet --no-index --no-deps $(missing_wheels)
+    stage install-wheels 30 "$PY" -m pip install --quiet --no-index --no-deps $(missing_wheels)
 fi
-stage versions 30 "$PY" benchmarks/gpu_driver_check.py versions --out "$OUT" $DRY
+stage versions 20 "$PY" benchmarks/gpu_driver_check.py versions --out "$OUT" $DRY
 # The tests that exercise the GPU path (on a CPU they run their fake-driver and interpreter halves).
-stage tests 100 env ${DRY:+TRITON_INTERPRET=1} "$PY" -m pytest -q -p no:cacheprovider \
+stage tests 90 env ${DRY:+TRITON_INTERPRET=1} "$PY" -m pytest -q -p no:cacheprovider \
     tests/test_cuda_driver.py tests/test_flash_support.py tests/test_triton_attention.py \
     tests/test_vattention_attention.py tests/test_paged_attention.py
-stage probe 40 "$PY" benchmarks/gpu_driver_check.py probe --out "$OUT" $DRY
-stage matrix 90 "$PY" benchmarks/gpu_driver_check.py matrix --out "$OUT" $DRY
-stage ab 200 "$PY" benchmarks/gpu_driver_check.py ab --out "$OUT" $DRY
+stage probe 30 "$PY" benchmarks/gpu_driver_check.py probe --out "$OUT" $DRY
+stage matrix 60 "$PY" benchmarks/gpu_driver_check.py matrix --out "$OUT" $DRY
+stage ab 170 "$PY" benchmarks/gpu_driver_check.py ab --out "$OUT" $DRY
 "$PY" - "$STAGES" "$OUT/stages.json" <<'PYEOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]

@@ -380,16 +380,21 @@ def ab(dry_run: bool, out: Path, which: list[str]) -> dict[str, Any]:
     with the targets interleaved, so drift touches all alike."""
     device = _device(dry_run)
     work = out / "models"
+    # each model is built when its turn comes, so a run cut off early still has the first one's rows
+    models: list[Callable[[], tuple[str, Path]]]
     if dry_run:
-        models = [("tiny (random weights)", build_model(DRY_SHAPE, work / "tiny", device))]
+        models = [lambda: ("tiny (random weights)", build_model(DRY_SHAPE, work / "tiny", device))]
         grid, new_tokens, budget, dtype = [(1, 16), (4, 32)], 4, 64 * MiB, "float32"
     else:
         models = []
         if "default" in which:
-            models.append(default_model(work / "smollm2-shape", device))
+            models.append(lambda: default_model(work / "smollm2-shape", device))
         if "1b" in which:
             models.append(
-                (LLAMA_1B_SHAPE.name + " (random weights)", build_model(LLAMA_1B_SHAPE, work / "1b", device))
+                lambda: (
+                    LLAMA_1B_SHAPE.name + " (random weights)",
+                    build_model(LLAMA_1B_SHAPE, work / "1b", device),
+                )
             )
         grid, new_tokens, budget, dtype = (
             [(1, 512), (16, 512), (64, 512), (1, 4096), (16, 2048)],
@@ -397,10 +402,12 @@ def ab(dry_run: bool, out: Path, which: list[str]) -> dict[str, Any]:
             16 << 30,
             "bfloat16",
         )
+    meta = {"device": str(device), "new_tokens": new_tokens, "kv_budget_bytes": budget}
     max_batch = max(b for b, _ in grid)
     max_len = max(c for _, c in grid) + new_tokens + 16
     results: list[dict[str, Any]] = []
-    for label, path in models:
+    for build in models:
+        label, path = build()
         llms = {}
         for name, kv_mode, background in _targets():
             llms[name] = _build_llm(
@@ -425,12 +432,13 @@ def ab(dry_run: bool, out: Path, which: list[str]) -> dict[str, Any]:
                 }
                 results.append(row)
                 print(json.dumps(row, default=str))
+                _write(out, "ab", {**meta, "rows": results, "complete": False})  # kept if cut off
         for llm in llms.values():
             llm.close()
         del llms
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"device": str(device), "new_tokens": new_tokens, "kv_budget_bytes": budget, "rows": results}
+    return {**meta, "rows": results, "complete": True}
 
 
 # --------------------------------------------------------------------- report
