@@ -9,8 +9,10 @@ Each step the scheduler picks which sequences run and how many tokens each write
 Before a sequence is scheduled the cache must have room for every token the step writes
 (fork, grow). When it has not, the most recently arrived running group is preempted,
 by recompute (free its KV; it re-prefills prompt + generated tokens later) or by swap
-(its KV moves to host memory). A group that cannot get memory even alone is finished
-with an error instead of being retried: the engine never spins.
+(its KV moves to host memory). A group that cannot get memory even alone is retried on
+the next few steps (a driver's ENOMEM can be momentary: the machine short of memory, a
+device busy freeing), then finished with an error: the engine never spins for long. The
+front doors refuse up front what could never fit the cache, so this is not about size.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from vmkv.kv_cache import KVCache, OutOfKVMemory
 # Admit new work only while this fraction of the KV capacity stays free for running
 # sequences to grow into; admitting to the last token would preempt on the next decode.
 WATERMARK = 0.01
+# Steps in a row a group alone in the cache may fail to get memory before it fails.
+ALONE_RETRIES = 4
 
 
 @dataclass
@@ -107,7 +111,7 @@ class Scheduler:
                 continue
             while not self._reserve(group):
                 if len(self.running) == 1:
-                    self._fail(group, "the request needs more KV memory than the whole cache holds", out)
+                    self._retry_alone(group, out)
                     break
                 victim = self.running[-1]
                 budget += sum(s.num_new for s in planned.pop(victim, []))
@@ -116,6 +120,7 @@ class Scheduler:
                 if victim is group:
                     break
             else:
+                group.alone_failures = 0
                 planned[group] = plan
                 budget -= sum(s.num_new for s in plan)
 
@@ -193,6 +198,19 @@ class Scheduler:
                 self.cache.free(seq.seq_id)
             seq.reset_cache_state()
 
+    def _retry_alone(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Nothing else holds KV memory, yet the group got none: skip it this step, and fail it
+        once that has happened ALONE_RETRIES + 1 times in a row."""
+        if group.alone_failures < ALONE_RETRIES:
+            group.alone_failures += 1
+            return
+        self._fail(
+            group,
+            f"the KV cache could not back the request even with nothing else in it "
+            f"({ALONE_RETRIES + 1} steps in a row; the memory driver refused)",
+            out,
+        )
+
     def _fail(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
         group.error = reason
         self.finish(group, FinishReason.ERROR)
@@ -228,11 +246,13 @@ class Scheduler:
             if not alone and self.cache.free_capacity() < needed + self.watermark_tokens:
                 break
             if not self._admit(group):
-                if alone:  # nothing holds memory but this group: waiting cannot help
+                if alone and group.alone_failures >= ALONE_RETRIES:
                     self.waiting.popleft()
-                    self._fail(group, "the request needs more KV memory than the whole cache holds", out)
+                    self._retry_alone(group, out)
                     continue
+                group.alone_failures += alone
                 break
+            group.alone_failures = 0
             self.waiting.popleft()
             self._start(group)
             plan = self._plan(group, budget)

@@ -92,6 +92,7 @@ class SequenceGroup:
     cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None
+    alone_failures: int = 0  # steps in a row it got no KV memory with nothing else holding any
     # filled as prefill chunks compute (kept across a recompute preemption); None: not asked for
     prompt_logprobs: list[PromptLogprob | None] | None = None
     stop_hold: int = field(init=False)
