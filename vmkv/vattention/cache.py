@@ -27,7 +27,6 @@ takes it per job and checks the slot's generation, so it cannot race a free.
 
 from __future__ import annotations
 
-import dataclasses
 import resource
 import threading
 from collections.abc import Sequence
@@ -47,7 +46,8 @@ from vmkv.vattention.kept import Trimmer, memory_pressure, trim
 from vmkv.vattention.mapper import BackgroundMapper, MapJob
 from vmkv.vattention.mapping import SlotMapping
 from vmkv.vattention.prefix import PrefixIndex
-from vmkv.vattention.sharing import place_with_hits, sharing_gauges
+from vmkv.vattention.report import kv_memory, kv_stats
+from vmkv.vattention.sharing import place_with_hits
 from vmkv.vattention.slots import SlotSeq, SlotTable
 
 _RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # the step thread's own faults
@@ -191,42 +191,15 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             return 1.0 - self.table.available() / self.pool.num_sets
 
     def memory(self) -> KVMemory:
-        geo = self.geometry
         with self._lock:
-            held = self.pool.num_sets - self.pool.free_count
-            double = sum(
-                c - 1 for c in self.table.mappers(running_only=True).values()
-            )  # counted per sequence
-            tokens = sum(s.length for s in self.seqs.values() if s.slot >= 0)
-            return KVMemory(
-                reserved_bytes=geo.num_tensors * geo.tensor_bytes,
-                allocated_bytes=held * geo.page_set_bytes,
-                used_bytes=tokens * self.shape.bytes_per_token - double * geo.page_set_bytes,
-            )
+            return kv_memory(self.table, self.seqs, self.shape)
 
     def stats(self) -> KVStats:
         """Units are physical pages (a page set holds geometry.units of them), a shared one
         counted once; pages_mapped counts mappings, so a page a fork shares counts twice."""
-        units, pool = self.geometry.units, self.pool
         with self._lock:
-            shared, saved = sharing_gauges(self.table)
-            prefix = dataclasses.asdict(self.prefix.events) if self.prefix is not None else {}
-            return KVStats(
-                unit="page",
-                units_total=pool.num_sets * units,
-                units_in_use=(pool.num_sets - pool.free_count) * units,
-                units_peak=pool.peak_held * units,
-                pages_mapped=self.driver.stats.pages_mapped,
-                page_sets_total=self.pool.num_sets,
-                page_sets_free=self.pool.free_count,
-                page_sets_idle_kept=sum(len(s.sets) for s in self.table.idle()),
-                units_kept=self.table.kept() * units,
-                shared_pages=shared,
-                bytes_saved=saved,
-                mapper_errors=len(self._mapper.errors) if self._mapper else 0,
-                **dataclasses.asdict(self.mapping.events),
-                **prefix,
-            )
+            errors = len(self._mapper.errors) if self._mapper else 0
+            return kv_stats(self.table, self.driver.stats.pages_mapped, errors)
 
     # ----------------------------------------------------------- preemption
     def swap_out(self, seq_ids: Sequence[int]) -> None:

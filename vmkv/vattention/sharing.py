@@ -60,15 +60,6 @@ def place_with_hits(
     return cached
 
 
-def sharing_gauges(table: SlotTable) -> tuple[int, int]:
-    """(pages mapped by more than one slot, bytes that sharing saves now): what the slots map
-    minus the distinct pages behind it."""
-    units, size = table.geometry.units, table.geometry.page_size
-    counts = table.mappers(running_only=True).values()
-    shared = sum(1 for c in counts if c > 1)
-    return shared * units, sum(c - 1 for c in counts) * units * size
-
-
 def _common(a: list[int], b: list[int]) -> int:
     """Length of the common start of two lists of set ids."""
     n = 0

@@ -1,0 +1,44 @@
+"""What the cache reports: its memory in bytes and its KVStats, sharing and kept pages included.
+The caller holds the cache's lock."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vmkv.kv_cache import KVMemory, KVShape, KVStats
+from vmkv.vattention.slots import SlotSeq, SlotTable
+
+
+def kv_memory(table: SlotTable, seqs: dict[int, SlotSeq], shape: KVShape) -> KVMemory:
+    geo, pool = table.geometry, table.pool
+    held = pool.num_sets - pool.free_count
+    # a page several sequences map holds tokens each of them counts
+    double = sum(c - 1 for c in table.mappers(running_only=True).values())
+    tokens = sum(s.length for s in seqs.values() if s.slot >= 0)
+    return KVMemory(
+        reserved_bytes=geo.num_tensors * geo.tensor_bytes,
+        allocated_bytes=held * geo.page_set_bytes,
+        used_bytes=tokens * shape.bytes_per_token - double * geo.page_set_bytes,
+    )
+
+
+def kv_stats(table: SlotTable, pages_mapped: int, mapper_errors: int) -> KVStats:
+    units, pool = table.geometry.units, table.pool
+    counts = table.mappers(running_only=True).values()  # sequences mapping each set
+    prefix = dataclasses.asdict(table.prefix.events) if table.prefix is not None else {}
+    return KVStats(
+        unit="page",
+        units_total=pool.num_sets * units,
+        units_in_use=(pool.num_sets - pool.free_count) * units,
+        units_peak=pool.peak_held * units,
+        pages_mapped=pages_mapped,
+        page_sets_total=pool.num_sets,
+        page_sets_free=pool.free_count,
+        page_sets_idle_kept=sum(len(s.sets) for s in table.idle()),
+        units_kept=table.kept() * units,
+        shared_pages=sum(1 for c in counts if c > 1) * units,
+        bytes_saved=sum(c - 1 for c in counts) * units * table.geometry.page_size,
+        mapper_errors=mapper_errors,
+        **dataclasses.asdict(table.mapping.events),
+        **prefix,
+    )
