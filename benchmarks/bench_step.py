@@ -176,7 +176,11 @@ class Peer:
 
     def __init__(self, python: Path, model: str, dtype: str, vocab: int) -> None:
         venv = python.absolute().parent.parent
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+        # every core, as vmkv uses: vLLM's "auto" binding keeps one core back for a front end
+        # that its offline LLM does not need, which on 2 cores halves its threads
+        env = dict(
+            os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}"
+        )
         iomp = next(venv.glob("lib/libiomp5.so"), None) or next(venv.rglob("libiomp5.so"), None)
         if iomp is not None:
             env["LD_PRELOAD"] = str(iomp)
