@@ -20,7 +20,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 from vmkv.engine.async_process import AsyncProcessLLM
 from vmkv.engine.config import EngineConfig
@@ -38,7 +38,6 @@ MAX_REMEMBERED_PREFIXES = 1 << 16  # per replica, least recently routed forgotte
 class _Replica:
     llm: AsyncProcessLLM
     load: int = 0  # tokens in flight from this front end
-    prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)  # chained block hashes
 
 
 ROUTINGS = ("prefix", "round-robin")

@@ -198,18 +198,19 @@ class Scheduler:
                 self.cache.free(seq.seq_id)
             seq.reset_cache_state()
 
-    def _retry_alone(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _retry_alone(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
         """Nothing else holds KV memory, yet the group got none: skip it this step, and fail it
-        once that has happened ALONE_RETRIES + 1 times in a row."""
+        once that has happened ALONE_RETRIES + 1 times in a row. True if it failed."""
         if group.alone_failures < ALONE_RETRIES:
             group.alone_failures += 1
-            return
+            return False
         self._fail(
             group,
             f"the KV cache could not back the request even with nothing else in it "
             f"({ALONE_RETRIES + 1} steps in a row; the memory driver refused)",
             out,
         )
+        return True
 
     def _fail(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
         group.error = reason
@@ -246,11 +247,8 @@ class Scheduler:
             if not alone and self.cache.free_capacity() < needed + self.watermark_tokens:
                 break
             if not self._admit(group):
-                if alone and group.alone_failures >= ALONE_RETRIES:
-                    self.waiting.popleft()
-                    self._retry_alone(group, out)
-                    continue
-                group.alone_failures += alone
+                if alone and self._retry_alone(group, out):
+                    continue  # failed: finish() took it off the queue
                 break
             group.alone_failures = 0
             self.waiting.popleft()

@@ -268,7 +268,7 @@ class OpenAIServing:
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs(body, logprobs),
+            prompt_logprobs=prompt_logprobs_wanted(body, logprobs),
             skip_special_tokens=body.skip_special_tokens,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
@@ -630,7 +630,9 @@ def completion_prompts(body: CompletionRequest) -> list[str] | list[list[int]]:
     return prompt
 
 
-def prompt_logprobs(body: CompletionRequest | ChatCompletionRequest, logprobs: int | None) -> int | None:
+def prompt_logprobs_wanted(
+    body: CompletionRequest | ChatCompletionRequest, logprobs: int | None
+) -> int | None:
     """How many top tokens the engine reports per prompt token: prompt_logprobs's, and as many
     as logprobs asks for when a completion echoes its prompt with logprobs."""
     if not body.echo or logprobs is None:
