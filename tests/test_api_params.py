@@ -54,6 +54,14 @@ def single_token(served: Served, word: str) -> int:
     return ids[0]
 
 
+def assert_refused(client: openai.OpenAI, served: Served, extra: dict, param: str) -> None:
+    """A 400 naming `param`, and the server stays healthy."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(client, **extra)
+    assert caught.value.body["param"] == param, caught.value.body
+    assert httpx.get(f"{served.url}/health").status_code == 200
+
+
 # ------------------------------------------------------------------------------------ penalties
 WORD = " the"  # one token of the tiny tokenizer
 
@@ -315,10 +323,7 @@ def test_vllm_structured_output_fields(client: openai.OpenAI) -> None:
 def test_bad_structured_outputs_are_400s_naming_the_field(
     client: openai.OpenAI, served: Served, extra: dict, param: str
 ) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        complete(client, **extra)
-    assert caught.value.body["param"] == param, caught.value.body
-    assert httpx.get(f"{served.url}/health").status_code == 200
+    assert_refused(client, served, extra, param)
 
 
 # ------------------------------------------------------------------------------ prompt_logprobs
@@ -411,10 +416,7 @@ def test_prompt_logprobs_come_in_vllms_shape(
 def test_completion_parameters_not_honoured_are_400s(
     client: openai.OpenAI, served: Served, extra: dict, param: str
 ) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        complete(client, **extra)
-    assert caught.value.body["param"] == param, caught.value.body
-    assert httpx.get(f"{served.url}/health").status_code == 200
+    assert_refused(client, served, extra, param)
 
 
 @pytest.mark.parametrize(
