@@ -57,6 +57,8 @@ def build(layout: str, option: int) -> KVCache:
             {"deferred_reclamation": False, "eager_steps": 0, "prefix_caching": True},
             {"deferred_reclamation": True, "eager_steps": 8, "prefix_caching": True},
             {"deferred_reclamation": True, "order": "head", "prefix_caching": True},
+            {"deferred_reclamation": True, "eager_steps": 8, "order": "packed", "group_pad_pages": 1},
+            {"deferred_reclamation": True, "order": "packed", "prefix_caching": True},
         ]
         options = {
             "order": "token",
@@ -66,6 +68,8 @@ def build(layout: str, option: int) -> KVCache:
             "pressure_min_available": 0.0,
         } | variants[option]
         units = 2 * SHAPE.num_layers * (SHAPE.num_kv_heads if options["order"] == "head" else 1)
+        if options["order"] == "packed":  # one page a set, 8 tokens a page: 28 pages hold 7 token-major sets
+            units = 4
         return VAttentionKVCache(SHAPE, MAX_LEN, 7 * units * PAGE, page_size=PAGE, **options)
     if layout == "paged":
         budget = 20 * 8 * SHAPE.bytes_per_token
@@ -86,7 +90,7 @@ class ContractLifecycle(RuleBasedStateMachine):
         self.next_id = 0
         self.gen = torch.Generator().manual_seed(0)
 
-    @initialize(layout=st.sampled_from(LAYOUTS), option=st.integers(0, 5))
+    @initialize(layout=st.sampled_from(LAYOUTS), option=st.integers(0, 7))
     def start(self, layout: str, option: int) -> None:
         self.cache = build(layout, option if layout == "vattention" else option % 3)
         self.capacity = self.cache.free_capacity()

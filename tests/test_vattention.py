@@ -13,6 +13,7 @@ from vmkv.drivers import HostDriver, RawCallError
 
 from vmkv.kv_cache import KVShape, OutOfKVMemory, SeqStep, SequenceTooLong, StepBatch
 from vmkv.vattention import VAttentionConfig, VAttentionKVCache
+from vmkv.vattention.geometry import SlotGeometry
 
 # 128 B per token per tensor: 32 tokens per 4 KiB page token-major, 64 per page head-major.
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
@@ -24,10 +25,18 @@ STRICT = {"background_mapping": False, "deferred_reclamation": False, "eager_ste
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+ORDERS = ["token", "head", "packed"]
+
+
+def units(order: str) -> int:
+    """Pages per page set: one per column of every virtual region."""
+    per_layer = 2 * SHAPE.num_layers
+    return {"head": per_layer * SHAPE.num_kv_heads, "packed": 1}.get(order, per_layer)
+
+
 def make_cache(num_sets: int = 16, **options: object) -> VAttentionKVCache:
     order = options.setdefault("order", "token")
-    units = 2 * SHAPE.num_layers * (1 if order == "token" else SHAPE.num_kv_heads)
-    return VAttentionKVCache(SHAPE, MAX_LEN, num_sets * units * PAGE, page_size=PAGE, **options)
+    return VAttentionKVCache(SHAPE, MAX_LEN, num_sets * units(order) * PAGE, page_size=PAGE, **options)
 
 
 def write(cache: VAttentionKVCache, steps: list[SeqStep], fill: dict[int, float]) -> None:
@@ -83,13 +92,13 @@ def check_invariants(cache: VAttentionKVCache, strict: bool) -> None:
 
 
 # ---------------------------------------------------------------- accounting
-@pytest.mark.parametrize("order", ["token", "head"])
+@pytest.mark.parametrize("order", ORDERS)
 def test_admit_grow_free_keep_page_accounting_exact(order: str) -> None:
     cache = make_cache(order=order, **STRICT)
     geo = cache.geometry
     cache.admit(1, [0] * 10)
     cache.admit(2, [0] * 32)
-    assert cache.slot_pages(1) == 1 and cache.slot_pages(2) == geo.pages_for(32)
+    assert cache.slot_pages(1) == geo.pages_for(10) and cache.slot_pages(2) == geo.pages_for(32)
     cache.grow(2, [0])
     assert cache.slot_pages(2) == geo.pages_for(33)
     for _ in range(70):
@@ -118,6 +127,33 @@ def test_token_major_pages_end_mid_token() -> None:
     assert geo.pages_for(170) == 1 and geo.pages_for(171) == 2
     cache.admit(0, [0] * 171)
     assert cache.slot_pages(0) == 2
+    cache.close()
+
+
+def test_packed_order_holds_every_layer_in_one_region_of_strided_views() -> None:
+    """SmolLM2-135M's shape at the stock driver's 2 MiB pages: 23,040 B a token, 91 tokens a
+    page, one page a growth step; each layer's K and V is a plain strided view of that region."""
+    smollm = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    geo = SlotGeometry(smollm, 2048, 4, 2 << 20, "packed")
+    assert (geo.regions, geo.units, geo.column_token_bytes) == (1, 1, 23040)
+    assert geo.tokens_backed(1) == 91 and geo.pages_for(92) == 2
+    cache = make_cache(order="packed", **STRICT)
+    assert len(cache.mapping.placed) == 1 and cache.geometry.units == 1
+    row = SHAPE.num_kv_heads * SHAPE.head_dim
+    token_stride = 2 * SHAPE.num_layers * row  # every layer's K and V of one token
+    views = cache.mapping.tensors()
+    for t, view in enumerate(views):
+        assert view.stride() == (cache.geometry.slot_bytes // 4, token_stride, SHAPE.head_dim, 1)
+        assert view.data_ptr() == views[0].data_ptr() + t * row * 4
+    cache.admit(1, [0] * 20)
+    cache.admit(2, [0] * 9)
+    write(cache, [SeqStep(1, 0, 20), SeqStep(2, 0, 9)], {1: 1.0, 2: 2.0})
+    write(cache, [SeqStep(1, 19, 1)], {1: 5.0})  # rewrite one token: no other layer or token moves
+    k0, k1, v0, v1 = stored(cache, 1, 20)
+    assert all(k[:19].eq(1.0).all() and v[:19].eq(-1.0).all() for k, v in [(k0, v0), (k1, v1)])
+    assert k0[19].eq(5.0).all() and v1[19].eq(-5.0).all()
+    assert all(view.eq(2.0 if i < 2 else -2.0).all() for i, view in enumerate(stored(cache, 2, 9)))
+    check_invariants(cache, strict=True)
     cache.close()
 
 
@@ -322,7 +358,7 @@ def test_background_mapper_never_races_free_under_stress() -> None:
 
 
 # -------------------------------------------------------------- fork, swap
-@pytest.mark.parametrize("order", ["token", "head"])
+@pytest.mark.parametrize("order", ORDERS)
 def test_fork_shares_full_pages_and_copies_the_partial_one(order: str) -> None:
     cache = make_cache(order=order, **STRICT)
     geo = cache.geometry
@@ -451,7 +487,7 @@ def test_consecutive_sets_keep_a_slot_in_one_mapping_per_column() -> None:
         sets = cache.table.slots[cache.seqs[sid].slot].sets
         assert sets == list(range(sets[0], sets[0] + len(sets)))
     res, base = cache.mapping.placed[0]
-    start, end = res.base + base, res.base + base + cache.geometry.tensor_bytes
+    start, end = res.base + base, res.base + base + cache.geometry.region_bytes
     with open("/proc/self/maps") as maps:
         fields = [line.split() for line in maps]
     mapped = [f for f in fields if start <= int(f[0].split("-")[0], 16) < end and f[1].startswith("rw")]
@@ -473,7 +509,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.strict = False
 
     @initialize(
-        order=st.sampled_from(["token", "head"]),
+        order=st.sampled_from(ORDERS),
         deferred=st.booleans(),
         mapper=st.booleans(),
         eager=st.sampled_from([0, 0, 5, 40]),
@@ -482,7 +518,7 @@ class Lifecycle(RuleBasedStateMachine):
     def start(self, order: str, deferred: bool, mapper: bool, eager: int, pad: int) -> None:
         self.strict = not (deferred or mapper or eager or pad)
         self.cache = make_cache(
-            num_sets=8,
+            num_sets=32 if order == "packed" else 8,  # packed: 32 pages of 8 tokens, as token-major's 8 sets
             order=order,
             deferred_reclamation=deferred,
             background_mapping=mapper,

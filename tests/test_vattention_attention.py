@@ -110,8 +110,12 @@ KINDS = [
     "va_head-sdpa",
     "va_token-combined",
     "va_head-sync",
+    "va_packed",
+    "va_packed-sdpa",
+    "va_packed-combined",
 ]
-SDPA_KINDS = ["contiguous", "va_token-sdpa", "va_head-sdpa"]  # decodes batched into SDPA groups
+# decodes batched into SDPA groups
+SDPA_KINDS = ["contiguous", "va_token-sdpa", "va_head-sdpa", "va_packed-sdpa"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -140,7 +144,10 @@ def test_decode_steps_batch_consecutive_slots_and_stay_exact(kind: str) -> None:
             cache.grow(i, [1])
         steps = [SeqStep(i, n + t, 1) for i, n in enumerate(lengths)]
         plan = cache.prepare(StepBatch.build(steps))
-        assert plan.groups and sum(g.num_slots for g in plan.groups) == len(lengths)
+        grouped = sum(g.num_slots for g in plan.groups)
+        # packed pages hold 8 tokens here (32 token-major): one pad page cannot always bring
+        # the shortest slots to the group's longest context, so some decode alone
+        assert plan.groups and grouped >= (2 if "packed" in kind else len(lengths))
         errors += driver.step(steps)
     cache.close()
     assert max(errors) < TOLERANCE[torch.float32]
@@ -175,14 +182,12 @@ def test_decode_group_reads_only_mapped_memory(pad: int) -> None:
     cache.close()
 
 
-@pytest.mark.parametrize("order", ["token", "head"])
+@pytest.mark.parametrize("order", ["token", "head", "packed"])
 def test_kernel_decodes_every_slot_in_one_call_without_padding_pages(order: str) -> None:
     """The kernel reads each slot only up to its own length: one call for all decodes, any
     slot order or length spread, and no surplus pages mapped for grouping."""
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    cache = VAttentionKVCache(
-        shape, MAX_LEN, 1 << 20, page_size=4096, background_mapping=False, order=order
-    )
+    cache = VAttentionKVCache(shape, MAX_LEN, 1 << 20, page_size=4096, background_mapping=False, order=order)
     if cache._kernels is None or load_decode_kernel(torch.float32, NUM_Q_HEADS // 2, 16) is None:
         pytest.skip("no C compiler here")
     driver = Driver(cache, 2)

@@ -6,6 +6,7 @@ on and off, and the same as paged mode's."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from vmkv.drivers import HostDriver
 
 from vmkv import LLM, SamplingParams, prefix_cache
+from vmkv.engine import kv_factory
 from vmkv.kv_cache import KVShape, SeqStep, StepBatch
 from vmkv.vattention import VAttentionKVCache
 from vmkv.vattention import cache as vattention_cache
@@ -175,13 +177,61 @@ def test_deferred_reclamation_keeps_idle_slots_until_the_trim() -> None:
     cache.close()
 
 
-@pytest.mark.parametrize(("order", "pages", "tokens"), [("token", 3, 512), ("head", 1, 512)])
+@pytest.mark.parametrize(
+    ("order", "pages", "tokens"), [("token", 3, 512), ("head", 1, 512), ("packed", 6, 17)]
+)
 def test_chunk_granularity_at_the_default_page_size(order: str, pages: int, tokens: int) -> None:
-    """SmolLM2-135M in bf16: 384 B a token token-major (pages end mid-token), 128 B a head."""
+    """SmolLM2-135M in bf16: 384 B a token token-major (pages end mid-token), 128 B a head,
+    23,040 B packed (a chunk ending on a token boundary would be 45 pages: 16 tokens instead)."""
     smollm = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
     geo = SlotGeometry(smollm, 2048, 1, 64 * 1024, order)
     assert chunk_pages(geo) == pages
     assert pages * geo.page_size // geo.column_token_bytes == tokens
+
+
+def test_a_packed_hit_ending_mid_token_reuses_whole_tokens_and_copies_the_last_page() -> None:
+    """384 B packed tokens (3 layers, one 16-wide head, fp32): 10.67 a 4 KiB page, a chunk is 2
+    pages whose key covers the token straddling its end; a hit on two chunks reuses the 42
+    tokens wholly inside them and copies page 3, where token 42 is rewritten."""
+    shape = KVShape(num_layers=3, num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    cache = VAttentionKVCache(
+        shape,
+        128,
+        32 * PAGE,
+        page_size=PAGE,
+        order="packed",
+        background_mapping=False,
+        prefix_caching=True,
+        kept_idle_seconds=None,
+        pressure_min_available=0.0,
+        model_id="m",
+    )
+    assert (cache.prefix.pages, cache.prefix.end(0), cache.prefix.whole(2)) == (2, 22, 42)
+
+    def run(seq_id: int, start: int, end: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        plan = cache.prepare(StepBatch.build([SeqStep(seq_id, start, end - start)]))
+        for layer in range(shape.num_layers):
+            k, v = (torch.randn(end - start, 1, 16, generator=gen) for _ in range(2))
+            cache.attend(layer, torch.randn(end - start, 2, 16, generator=gen), k, v, plan, 0.25)
+        cache.finish_step(plan)
+
+    def kv(seq_id: int, n: int) -> list[torch.Tensor]:
+        return [view[cache.seqs[seq_id].slot, :n].clone() for view in cache.mapping.tensors()]
+
+    prompt = list(range(1, 81))
+    cache.admit(0, prompt)
+    run(0, 0, 80, seed=0)
+    before = kv(0, 80)
+    assert cache.admit(1, prompt[:50] + [999] * 10) == 42
+    a, b = (cache.table.slots[cache.seqs[i].slot].sets for i in (0, 1))
+    assert a[:3] == b[:3] and a[3] != b[3] and cache.stats().cow_copies == 1
+    for x, y in zip(kv(1, 42), before, strict=True):
+        torch.testing.assert_close(x, y[:42], rtol=0, atol=0)
+    run(1, 42, 60, seed=1)
+    for x, y in zip(kv(0, 80), before, strict=True):  # the original is untouched
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    cache.close()
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -201,9 +251,12 @@ def engine(model_dir: Path, kv_mode: str, prefix: bool, **options: object) -> LL
     )
 
 
-def test_engine_outputs_are_identical_with_sharing_on_and_off_and_to_paged(tiny_model_dir: Path) -> None:
+def test_engine_outputs_are_identical_with_sharing_on_and_off_and_to_paged(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A shared ~200-token prefix (three requests, the later ones admitted after the first
-    finished, so they hit) and n = 4 samples of one prompt, greedy, fp32."""
+    finished, so they hit) and n = 4 samples of one prompt, greedy, fp32; vattention in the
+    per-layer token-major order and in the layer-packed one."""
     prefix = [(7 * i) % 300 + 3 for i in range(200)]
     prompts = [prefix + [11, 12, 13], prefix + [21, 22], prefix[:150] + [31]]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -212,21 +265,28 @@ def test_engine_outputs_are_identical_with_sharing_on_and_off_and_to_paged(tiny_
     for name, kv_mode, on in [
         ("on", "vattention", True),
         ("off", "vattention", False),
+        ("packed", "vattention", True),
         ("paged", "paged", True),
     ]:
+        order = "packed" if name == "packed" else "token"
+        monkeypatch.setattr(
+            kv_factory, "VAttentionKVCache", functools.partial(VAttentionKVCache, order=order)
+        )
         llm = engine(tiny_model_dir, kv_mode, on)
+        if kv_mode == "vattention":
+            assert llm.engine.cache.geometry.order == order
         first = llm.generate(prompts[0], greedy)[0].outputs[0].token_ids
         rest = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], greedy)]
         forked = [o.token_ids for o in llm.generate(prompts[1], samples)[0].outputs]
         stats = llm.engine.cache.stats()
         results[name] = ([first, *rest], forked)
-        if name == "on":
+        if name in ("on", "packed"):
             assert stats.prefix_cache_hits >= 2 * 192  # the later requests found the prefix
             assert stats.fork_shared_pages > 0
         if name == "off":
             assert stats.prefix_cache_hits == 0
         llm.close()
-    assert results["on"] == results["off"] == results["paged"]
+    assert results["on"] == results["off"] == results["packed"] == results["paged"]
     assert all(f == results["on"][0][1] for f in results["on"][1])
 
 

@@ -18,7 +18,9 @@ ATTENTION_PATHS = ("auto", "cpu_kernel", "sdpa")
 @dataclass(frozen=True)
 class VAttentionConfig:
     page_size: int = DEFAULT_PAGE_SIZE
-    order: str = "auto"  # "token" [slot, len, Hkv, D], "head" [slot, Hkv, len, D], or "auto" (see below)
+    # "token" [slot, len, Hkv, D] or "head" [slot, Hkv, len, D] per layer's K/V, "packed"
+    # [slot, len, layers, 2, Hkv, D] for all of them (geometry.py), or "auto" (AUTO_ORDER)
+    order: str = "auto"
     max_slots: int | None = None  # default: min(page sets, 256)
     combined_reservation: bool = False  # one reservation for every K/V tensor
     background_mapping: bool = True

@@ -1,13 +1,19 @@
-"""Where every byte of the virtual KV tensors lives, for both orders.
+"""Where every byte of the virtual KV lives, for the three orders.
 
-A slot is one sequence's region in each K or V tensor. It is split into columns, each
+A slot is one sequence's region in each virtual region. It is split into columns, each
 rounded up to whole pages so no page ever holds two slots' (or two columns') data:
-- token-major [slots, max_len, Hkv, D]: one column per slot; a token is Hkv*D elements,
-  so a page may end mid-token (384 B tokens: 170.67 per 64 KiB page);
-- head-major [slots, Hkv, max_len, D]: one column per KV head; a token is D elements of
-  each column, so pages hold whole tokens (128 B: 512 per 64 KiB page).
-Every column of every tensor of a slot holds the same number of mapped pages, so one
-integer per slot describes its whole mapping.
+- token-major "token" [slots, max_len, Hkv, D], one region per layer's K or V: one column per
+  slot; a token is Hkv*D elements, so a page may end mid-token (384 B tokens: 170.67 per
+  64 KiB page);
+- head-major "head" [slots, Hkv, max_len, D], one region per layer's K or V: one column per KV
+  head; a token is D elements of each column, so pages hold whole tokens (128 B: 512 per page);
+- layer-packed "packed" [slots, max_len, layers, 2, Hkv, D], one region for everything: a token
+  is every layer's K and V (SmolLM2-135M: 30*2*3*64 bf16 = 23,040 B, 91 tokens per 2 MiB page,
+  where a per-layer order pins 2*30 pages of 2 MiB for a one-token sequence). Pages may end
+  mid-token, as token-major ones do.
+In every order each layer's K and V is a [slots, max_len, Hkv, D] strided view, last dim
+contiguous, so stock kernels read it in place. Every column of every region of a slot holds
+the same number of mapped pages, so one integer per slot describes its whole mapping.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 
 from vmkv.kv_cache import KVShape
 
-ORDERS = ("token", "head")
+ORDERS = ("token", "head", "packed")
 
 
 @dataclass(frozen=True)
@@ -44,23 +50,34 @@ class SlotGeometry:
 
     @cached_property
     def num_tensors(self) -> int:
-        """K and V of every layer."""
+        """K and V of every layer: the views a kernel reads."""
         return 2 * self.shape.num_layers
 
     @cached_property
+    def regions(self) -> int:
+        """Virtual regions reserved and mapped: one per K/V tensor, or one holding all (packed)."""
+        return 1 if self.order == "packed" else self.num_tensors
+
+    @cached_property
     def columns(self) -> int:
-        """Page-aligned regions per slot per tensor."""
-        return 1 if self.order == "token" else self.shape.num_kv_heads
+        """Page-aligned regions per slot per region."""
+        return self.shape.num_kv_heads if self.order == "head" else 1
 
     @cached_property
     def units(self) -> int:
-        """Pages mapped together when a slot grows by one page: one per column of every tensor."""
-        return self.num_tensors * self.columns
+        """Pages mapped together when a slot grows by one page: one per column of every region."""
+        return self.regions * self.columns
+
+    @cached_property
+    def row_elems(self) -> int:
+        """Elements of one token of one K or V tensor (Hkv * D)."""
+        return self.shape.num_kv_heads * self.shape.head_dim
 
     @cached_property
     def column_token_bytes(self) -> int:
         """Bytes one token takes in one column."""
-        return self.shape.num_kv_heads * self.shape.head_dim * self.itemsize // self.columns
+        per_region = self.num_tensors // self.regions  # tensors sharing a region: all (packed) or one
+        return per_region * self.row_elems * self.itemsize // self.columns
 
     @cached_property
     def column_pages(self) -> int:
@@ -76,7 +93,7 @@ class SlotGeometry:
         return self.columns * self.column_bytes
 
     @cached_property
-    def tensor_bytes(self) -> int:
+    def region_bytes(self) -> int:
         return self.max_slots * self.slot_bytes
 
     @cached_property
@@ -93,15 +110,22 @@ class SlotGeometry:
         return min(self.max_len, num_pages * self.page_size // self.column_token_bytes)
 
     def page_offset(self, slot: int, column: int, page: int) -> int:
-        """Byte offset of a column's page within one tensor."""
+        """Byte offset of a column's page within one region."""
         return slot * self.slot_bytes + column * self.column_bytes + page * self.page_size
 
-    def as_tensor(self, flat: torch.Tensor) -> torch.Tensor:
-        """The tensor's [slots, max_len, Hkv, D] view (any order) over its flat dtype view."""
+    def views(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every layer's K and V (K0, V0, K1, V1, ...) as [slots, max_len, Hkv, D] views over the
+        regions' flat dtype views (one per region)."""
         h, d = self.shape.num_kv_heads, self.shape.head_dim
+        size = (self.max_slots, self.max_len, h, d)
         slot_stride = self.slot_bytes // self.itemsize
+        if self.order == "packed":
+            # tensor t starts t rows into each token; as_strided keeps the slice's storage offset
+            (flat,) = flats
+            strides = (slot_stride, self.num_tensors * self.row_elems, d, 1)
+            return [flat[t * self.row_elems :].as_strided(size, strides) for t in range(self.num_tensors)]
         if self.order == "token":
             strides = (slot_stride, h * d, d, 1)
         else:
             strides = (slot_stride, d, self.column_bytes // self.itemsize, 1)
-        return flat.as_strided((self.max_slots, self.max_len, h, d), strides)
+        return [flat.as_strided(size, strides) for flat in flats]

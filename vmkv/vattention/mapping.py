@@ -1,8 +1,9 @@
 """The slots' virtual memory: reservations, zero-copy K/V views, and page mapping with rollback.
 
-Per layer, K and V are virtual tensors [max_slots, max_len, Hkv, D] (token- or head-major
-underneath, see geometry.py), each reserved through the driver (or all in one reservation).
-A slot's pages are mapped page set by page set, in every column of every tensor at once, so
+Per layer, K and V are views [max_slots, max_len, Hkv, D] over virtual regions (one per K/V
+tensor, or one holding every layer's K and V in the packed order; see geometry.py), each
+reserved through the driver (or all in one reservation). A slot's pages are mapped page set
+by page set, in every column of every region at once, so
 one list of set ids per slot describes its whole mapping. This file is the mechanism only:
 which slot gets which sets is the slot table's policy (slots.py).
 """
@@ -57,7 +58,7 @@ class MappingEvents:
 
 
 class SlotMapping:
-    """Owns the driver pages of num_sets page sets and the reservations of every K/V tensor."""
+    """Owns the driver pages of num_sets page sets and the reservations of every region."""
 
     def __init__(
         self,
@@ -82,21 +83,19 @@ class SlotMapping:
             raise
 
     def _reserve(self, dtype: torch.dtype, combined: bool) -> None:
-        """One reservation per tensor (or one for all), and their zero-copy views."""
+        """One reservation per region (or one for all), and the K/V views over them."""
         geo, drv = self.geometry, self.driver
         if combined:
-            whole = drv.reserve(geo.num_tensors * geo.tensor_bytes)
-            self.placed = [(whole, t * geo.tensor_bytes) for t in range(geo.num_tensors)]
+            whole = drv.reserve(geo.regions * geo.region_bytes)
+            self.placed = [(whole, r * geo.region_bytes) for r in range(geo.regions)]
         else:
-            for _ in range(geo.num_tensors):
-                self.placed.append((drv.reserve(geo.tensor_bytes), 0))
-        numel = geo.tensor_bytes // geo.itemsize
+            for _ in range(geo.regions):
+                self.placed.append((drv.reserve(geo.region_bytes), 0))
+        numel = geo.region_bytes // geo.itemsize
         self._bytes = [
-            drv.view(r, torch.uint8, [geo.tensor_bytes], off, require_mapped=False) for r, off in self.placed
+            drv.view(r, torch.uint8, [geo.region_bytes], off, require_mapped=False) for r, off in self.placed
         ]
-        views = [
-            geo.as_tensor(drv.view(r, dtype, [numel], off, require_mapped=False)) for r, off in self.placed
-        ]
+        views = geo.views([drv.view(r, dtype, [numel], off, require_mapped=False) for r, off in self.placed])
         self.k, self.v = views[0::2], views[1::2]  # per layer
 
     def tensors(self) -> list[torch.Tensor]:
@@ -104,7 +103,7 @@ class SlotMapping:
         return [view for pair in zip(self.k, self.v, strict=True) for view in pair]
 
     def map_sets(self, slot: Slot, sets: list[int], background: bool) -> None:
-        """Map page sets at the slot's next page indices, in every column of every tensor.
+        """Map page sets at the slot's next page indices, in every column of every region.
 
         All or nothing: a failed driver call unmaps what this call mapped and gives the sets
         back; ENOMEM (vm.max_map_count, or the machine out of memory) becomes OutOfKVMemory.
@@ -155,7 +154,7 @@ class SlotMapping:
         del slot.sets[keep:]
 
     def copy_pages(self, src: Slot, dst: Slot, first: int, count: int) -> None:
-        """Copy pages first..first+count-1 of every column of every tensor from src to dst."""
+        """Copy pages first..first+count-1 of every column of every region from src to dst."""
         geo = self.geometry
         start, nbytes = first * geo.page_size, count * geo.page_size
         for data in self._bytes:
@@ -165,7 +164,7 @@ class SlotMapping:
                 data[to : to + nbytes].copy_(data[from_ : from_ + nbytes])
 
     def read_pages(self, slot: Slot, first: int, count: int) -> list[torch.Tensor]:
-        """Copies of pages first..first+count-1 of every column of every tensor (copy-on-write)."""
+        """Copies of pages first..first+count-1 of every column of every region (copy-on-write)."""
         geo = self.geometry
         out = []
         for data in self._bytes:

@@ -4,10 +4,16 @@ hash chain (vmkv/prefix_cache.py) and verified against token ids, evicted least 
 The mechanism differs from paged's: a hit maps the cached chunk's physical pages into the new
 sequence's own virtual range, so stock kernels read shared KV as one contiguous tensor.
 
-A chunk is the fewest pages per column that end on a token boundary, so no token of a cached
-chunk spills into a page the next sequence writes: head-major pages hold whole tokens (one page
-per chunk); token-major ones may end mid-token (SmolLM2: 384 B tokens in 64 KiB pages, a chunk
-is 3 pages = 512 tokens). Invariants, under the cache's lock:
+In the per-layer orders a chunk is the fewest pages per column that end on a token boundary, so
+no token of a cached chunk spills into a page the next sequence writes: head-major pages hold
+whole tokens (one page per chunk); token-major ones may end mid-token (SmolLM2: 384 B tokens in
+64 KiB pages, a chunk is 3 pages = 512 tokens). A packed token is every layer's K and V (SmolLM2:
+23,040 B), so a chunk ending on a token boundary would be 45 pages (2,048 tokens at 64 KiB, 4,096
+at 2 MiB) and almost never hit; there a chunk is the fewest pages holding CHUNK_MIN_TOKENS, and
+may end mid-token. Its key then covers every token with a byte in its pages (the straddling one
+included), a hit reuses only the tokens wholly inside, and the hit's last page, where the
+straddling token is rewritten, gets a private copy first (copy-on-write, sharing.py).
+Invariants, under the cache's lock:
 - the index holds one reference on each set of each chunk it holds, so pool.refcount[s] is the
   number of slots mapping s plus one while s is indexed;
 - only chunks wholly below a sequence's written tokens are indexed, and a sequence only ever
@@ -23,14 +29,21 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vmkv.prefix_cache import BlockKey, CacheIdentity, chain_hashes
+from vmkv import prefix_cache
+from vmkv.prefix_cache import BlockKey, CacheIdentity
 from vmkv.vattention.geometry import SlotGeometry
 from vmkv.vattention.pool import PageSetPool
 
+CHUNK_MIN_TOKENS = 16  # packed chunks: paged mode's default block size
+
 
 def chunk_pages(geometry: SlotGeometry) -> int:
-    """Pages per column of one chunk: the fewest that end on a token boundary."""
-    return math.lcm(geometry.page_size, geometry.column_token_bytes) // geometry.page_size
+    """Pages per column of one chunk: the fewest that end on a token boundary, or in the packed
+    order the fewest holding CHUNK_MIN_TOKENS when that is fewer."""
+    aligned = math.lcm(geometry.page_size, geometry.column_token_bytes) // geometry.page_size
+    if geometry.order != "packed":
+        return aligned
+    return min(aligned, geometry.pages_for(CHUNK_MIN_TOKENS))
 
 
 @dataclass(eq=False)
@@ -57,14 +70,28 @@ class PrefixIndex:
     def __init__(self, geometry: SlotGeometry, pool: PageSetPool) -> None:
         self.pool = pool
         self.pages = chunk_pages(geometry)
-        self.tokens = self.pages * geometry.page_size // geometry.column_token_bytes
+        self._chunk_bytes = self.pages * geometry.page_size
+        self._token_bytes = geometry.column_token_bytes
         self.chunks: OrderedDict[int, CachedChunk] = OrderedDict()
         self.events = PrefixEvents()
 
+    def end(self, i: int) -> int:
+        """Tokens with a byte in chunks 0..i: chunk i's key covers tokens end(i-1)..end(i)-1."""
+        return -(-(i + 1) * self._chunk_bytes // self._token_bytes) if i >= 0 else 0
+
+    def whole(self, n: int) -> int:
+        """Tokens lying wholly in the first n chunks: what a hit on them saves computing."""
+        return n * self._chunk_bytes // self._token_bytes
+
     def hashes(self, token_ids: Sequence[int], identity: CacheIdentity, known: list[int]) -> list[int]:
         """The chunk hashes of token_ids, extending those already `known` for its first chunks."""
-        parent = known[-1] if known else None
-        return known + chain_hashes(token_ids, self.tokens, identity, parent, len(known))
+        out = list(known)
+        i = len(out)
+        while self.end(i) <= len(token_ids):
+            chunk = token_ids[self.end(i - 1) : self.end(i)]
+            out.append(prefix_cache.hash_block(out[-1] if out else None, chunk, identity if i == 0 else None))
+            i += 1
+        return out
 
     def match(
         self, token_ids: Sequence[int], hashes: list[int], identity: CacheIdentity
@@ -76,7 +103,7 @@ class PrefixIndex:
             chunk = self.chunks.get(block_hash)
             if chunk is None:
                 break
-            if not chunk.key.matches(parent, token_ids[i * self.tokens : (i + 1) * self.tokens], identity):
+            if not chunk.key.matches(parent, token_ids[self.end(i - 1) : self.end(i)], identity):
                 self.events.hash_collisions += 1
                 break
             hits.append(chunk)
@@ -98,9 +125,10 @@ class PrefixIndex:
         adopts that key (its own pages stay private). A collision is counted and skipped.
         """
         now = time.monotonic()
-        for i in range(len(keys), min(written // self.tokens, len(hashes))):
+        i = len(keys)
+        while i < len(hashes) and self.end(i) <= written:  # every byte of the chunk's pages written
             parent = keys[-1] if keys else None
-            tokens = tuple(token_ids[i * self.tokens : (i + 1) * self.tokens])
+            tokens = tuple(token_ids[self.end(i - 1) : self.end(i)])
             cached = self.chunks.get(hashes[i])
             if cached is None:
                 key = BlockKey(parent, tokens, identity)
@@ -114,6 +142,7 @@ class PrefixIndex:
                 self.events.hash_collisions += 1
                 key = BlockKey(parent, tokens, identity)
             keys.append(key)
+            i += 1
 
     def touch(self, chunks: Sequence[CachedChunk]) -> None:
         """Mark chunks used now, the last one least recent: eviction then gives up a prefix's

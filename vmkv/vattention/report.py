@@ -16,7 +16,7 @@ def kv_memory(table: SlotTable, seqs: dict[int, SlotSeq], shape: KVShape) -> KVM
     double = sum(c - 1 for c in table.mappers(running_only=True).values())
     tokens = sum(s.length for s in seqs.values() if s.slot >= 0)
     return KVMemory(
-        reserved_bytes=geo.num_tensors * geo.tensor_bytes,
+        reserved_bytes=geo.regions * geo.region_bytes,
         allocated_bytes=held * geo.page_set_bytes,
         used_bytes=tokens * shape.bytes_per_token - double * geo.page_set_bytes,
     )

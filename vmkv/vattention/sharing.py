@@ -16,8 +16,9 @@ def place_with_hits(
     (0 when no hit fits: the caller then places the sequence as a new one).
 
     The last prompt token is always computed (its logits sample the next token). When the hits
-    cover the whole prompt, the pages that token's write touches get private copies first
-    (copy-on-write), so a cached page is never written. Hits are dropped from the end while
+    cover the whole prompt, or their last page ends mid-token (packed chunks, prefix.py), the
+    pages the first computed token's write touches get private copies first (copy-on-write), so
+    a cached page is never written. Hits are dropped from the end while
     the pages they need cannot be found; cached chunks nobody maps count as free until we map them.
     """
     geo, length = table.geometry, seq.length
@@ -29,7 +30,7 @@ def place_with_hits(
     slot, kept = max(((s, _common(s.sets, wanted)) for s in idle), key=lambda p: (p[1], -len(p[0].sets)))
     while hits:
         hit_pages = len(hits) * prefix.pages
-        cached = min(len(hits) * prefix.tokens, length - 1)
+        cached = min(prefix.whole(len(hits)), length - 1)
         first_write = cached * geo.column_token_bytes // geo.page_size
         cow = max(0, hit_pages - first_write)
         fresh = geo.pages_for(length) - hit_pages + cow
