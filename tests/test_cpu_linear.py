@@ -57,15 +57,20 @@ def test_native_linears_compute_what_a_bf16_gemm_computes() -> None:
 
 @pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="this CPU has no AVX512-BF16")
 def test_the_gemv_kernel_rounds_fp32_sums_once() -> None:
-    gemv = gemv_kernel.load_gemv()
-    if gemv is None:
-        pytest.skip("no C compiler")
+    if not gemv_kernel.register():
+        pytest.skip("no C++ compiler")
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(1000, 576, generator=gen).to(torch.bfloat16)  # 1000: a partial last block
     bias = torch.randn(1000, generator=gen).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     x = torch.randn(3, 1152, generator=gen).to(torch.bfloat16)[:, :576]  # rows 1152 apart
-    assert gemv_kernel.can_run(x, weight) and not gemv_kernel.can_run(torch.cat([x, x]), weight)
     exact = x.double() @ weight.double().t() + bias.double()
-    got = gemv(x, weight, bias)
+    got = torch.ops.vmkv.packed_linear(x, weight, packed, bias)
     # within one bf16 rounding of the exact sum (plus fp32 summation error)
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+    # more rows than the kernel takes: oneDNN's GEMM on the packed weight, torch's values exactly
+    many = torch.randn(2, 5, 576, generator=gen).to(torch.bfloat16)
+    assert torch.equal(
+        torch.ops.vmkv.packed_linear(many, weight, packed, bias),
+        torch.nn.functional.linear(many, weight, bias),
+    )

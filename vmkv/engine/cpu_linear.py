@@ -6,9 +6,10 @@ them, fp32 GEMMs of the same values where it has not.
   path re-lays the weight out on every call: prepacked, a batch-1 [1, 576] x [576, 1536]
   bf16 GEMM took 144 µs against 242 µs on one core of an AVX512-BF16 EPYC, and the
   49,152-row vocabulary projection 4.2 ms against 6.8 ms, with bit-identical outputs.
-  Calls of a few rows (decode) go to the bf16 GEMV kernel (gemv_kernel.py) where it runs.
-  Under torch.compile this is the opaque custom op `vmkv::packed_linear` (inductor lowers
-  oneDNN's op only for frozen constant weights).
+  Every call is the C++ operator `vmkv::packed_linear` (gemv_kernel.py): calls of a few rows
+  (decode) run its bf16 GEMV kernel where the CPU has AVX512-BF16, the rest oneDNN's GEMM.
+  Under torch.compile it stays one opaque node (inductor lowers oneDNN's op only for
+  frozen constant weights).
 - Without them torch's fallback bf16 GEMM is several times slower than fp32 (on a 2-core AVX2
   CPU, 7.8 against 52.6 GFLOP/s: `benchmarks/bench_gemm.py`), so each Linear's weight
   is held in fp32 (the same values) and computes `linear(x.float(), W).to(bf16)`: a bf16
@@ -18,7 +19,7 @@ them, fp32 GEMMs of the same values where it has not.
 
 from __future__ import annotations
 
-from functools import cache, partial
+from functools import partial
 
 import torch
 
@@ -72,6 +73,7 @@ def pack_linears(model: torch.nn.Module) -> None:
     """Give each half-precision Linear oneDNN's prepacked layout of its weight, next to the
     original (which the decode GEMV kernel reads, and a tied lm_head shares with the
     embedding): about one more copy of the linear weights, for the fastest GEMM at every size."""
+    gemv_kernel.register()
     for module in _half_linears(model):
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
         module.forward = partial(_packed_linear, module)
@@ -86,36 +88,4 @@ def _fp32_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return packed_linear_op(x, module.weight, module.packed_weight, module.bias)
-    return _native_linear(x, module.weight, module.packed_weight, module.bias)
-
-
-def _native_linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x [..., K] (any strides) @ weight [N, K].T (+ bias) -> [..., N]: the GEMV kernel for a few
-    rows where it runs, else oneDNN on the prepacked weight."""
-    if x.numel() <= gemv_kernel.MAX_ROWS * x.shape[-1] and (gemv := _gemv()) is not None:
-        rows = x.reshape(-1, x.shape[-1])
-        if gemv_kernel.can_run(rows, weight):
-            return gemv(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@cache
-def _gemv() -> gemv_kernel.Gemv | None:
-    return gemv_kernel.load_gemv()
-
-
-@torch.library.custom_op("vmkv::packed_linear", mutates_args=())
-def packed_linear_op(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """`_native_linear` as one opaque graph node."""
-    return _native_linear(x, weight, packed, bias)
-
-
-@packed_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+    return torch.ops.vmkv.packed_linear.default(x, module.weight, module.packed_weight, module.bias)
