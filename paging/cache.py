@@ -274,7 +274,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         start = time.perf_counter()
         distinct = list(dict.fromkeys(b for s in seqs for b in s.block_table))
         host_block = {b: i for i, b in enumerate(distinct)}
-        host = copy_to_host(self.kv, distinct)
+        host = self._to_host(distinct)
         for s in seqs:
             swapped = SwappedBlocks(host, [host_block[b] for b in s.block_table])
             self._release(s)
@@ -294,7 +294,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         for host_id, host in hosts.items():
             host_blocks = [h for i, h in wanted if i == host_id]
             blocks = [self.pool.allocate() for _ in host_blocks]
-            copy_from_host(self.kv, host, host_blocks, [b.block_id for b in blocks])
+            self._from_host(host, host_blocks, [b.block_id for b in blocks])
             placed.update(((host_id, h), b) for h, b in zip(host_blocks, blocks, strict=True))
             self._events.swap_in_bytes += len(host_blocks) * host[:, :, 0].numel() * host.element_size()
         taken: set[int] = set()
@@ -420,10 +420,21 @@ class PagedKVCache(KVCache[PagedPlan]):
         a block is free."""
         old = self.pool.blocks[seq.block_table[i]]
         new = self.pool.allocate()
-        self.kv[:, :, new.block_id].copy_(self.kv[:, :, old.block_id])
+        self._copy_block(old.block_id, new.block_id)
         self.pool.release(old)
         seq.block_table[i] = new.block_id
         self._events.cow_copies += 1
+
+    # Every change of block contents outside a step's attend() goes through these three, so a
+    # subclass can repeat it elsewhere (tensor parallelism: on the other ranks' caches).
+    def _copy_block(self, src: int, dst: int) -> None:
+        self.kv[:, :, dst].copy_(self.kv[:, :, src])
+
+    def _to_host(self, block_ids: list[int]) -> torch.Tensor:
+        return copy_to_host(self.kv, block_ids)
+
+    def _from_host(self, host: torch.Tensor, host_blocks: list[int], block_ids: list[int]) -> None:
+        copy_from_host(self.kv, host, host_blocks, block_ids)
 
     def _cached_prefix(self, seq: PagedSequence) -> list[Block]:
         """The cached blocks holding seq's longest prefix of full blocks, each hit verified."""

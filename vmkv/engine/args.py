@@ -130,6 +130,13 @@ def add_engine_arguments(
         default=d.compile_model,
         help="run the model under torch.compile, compiled once at start (default: off, see docs/engine.md)",
     )
+    add(
+        "tensor_parallel_size",
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=d.tensor_parallel_size,
+        help="ranks the model is split over, each with 1/N of its heads and KV (paged, contiguous modes)",
+    )
     missing = {f.name for f in dataclasses.fields(EngineConfig)} - named
     assert not missing, f"EngineConfig fields without a flag: {missing}"
 
@@ -166,6 +173,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
         "--seed", str(config.seed),
         "--prefix-caching" if config.enable_prefix_caching else "--no-prefix-caching",
         "--compile" if config.compile_model else "--no-compile",
+        "--tensor-parallel-size", str(config.tensor_parallel_size),
     ]  # fmt: skip
     if config.page_size is not None:
         out += ["--page-size", str(config.page_size)]

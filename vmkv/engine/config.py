@@ -43,6 +43,10 @@ class EngineConfig:
     # Run the decoder under torch.compile (inductor), compiled once at start; eager if off or if
     # compiling fails. Off by default: see docs/engine.md for the measured start-up cost and gain.
     compile_model: bool = False
+    # Ranks the model is split over (its attention heads and MLP columns): this process and
+    # tensor_parallel_size - 1 workers (vmkv/distributed). kv_budget_bytes is the whole
+    # engine's; each rank holds 1/N of it. docs/scale-out.md.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -59,6 +63,7 @@ class EngineConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "block_size",
+            "tensor_parallel_size",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -71,6 +76,14 @@ class EngineConfig:
             raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
         if self.page_size is not None and (not isinstance(self.page_size, int) or self.page_size < 1):
             raise ValueError(f"page_size must be a positive integer or None, got {self.page_size!r}")
+        if self.tensor_parallel_size > 1 and self.kv_mode == "vattention":
+            # its page mapping and page copies are not yet replayable on other ranks (docs/scale-out.md)
+            raise ValueError(
+                "tensor parallelism runs the paged and contiguous layouts; kv_mode vattention "
+                f"cannot run with tensor_parallel_size {self.tensor_parallel_size}"
+            )
+        if self.tensor_parallel_size > 1 and self.compile_model:
+            raise ValueError("compile_model is not supported with tensor_parallel_size > 1 yet")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Decodes go first and take one token each: the budget must cover every running sequence.
             raise ValueError(

@@ -19,6 +19,7 @@ import time
 import msgspec
 import zmq
 
+from vmkv.distributed.errors import TensorParallelError
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.ipc import (
@@ -42,6 +43,7 @@ from vmkv.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 PARENT_CHECK_SECONDS = 1.0
+HEALTH_CHECK_MS = 1000  # an idle engine notices a lost tensor-parallel rank within this
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,16 +91,23 @@ class EngineCore:
         self.running = True
 
     def run(self) -> None:
-        while self.running:
-            busy = self.engine.has_unfinished_requests()
-            outputs = self.receive(wait=not busy)
-            if self.running and self.engine.has_unfinished_requests():
-                outputs += self.step()
-            self.send(outputs)
+        try:
+            while self.running:
+                busy = self.engine.has_unfinished_requests()
+                outputs = self.receive(wait=not busy)
+                if self.running and self.engine.has_unfinished_requests():
+                    outputs += self.step()
+                self.send(outputs)
+        except TensorParallelError as error:  # a rank is gone: this engine can never step again
+            self.outputs.send(encoder.encode(EngineFailed(str(error))))
+            raise
 
     def receive(self, wait: bool) -> list[RequestOutput | RequestUpdate]:
-        """Apply every command that has arrived; block for the first one only if `wait`."""
+        """Apply every command that has arrived; block for the first one only if `wait`
+        (checking the engine's health while it waits)."""
         outputs: list[RequestOutput | RequestUpdate] = []
+        while wait and self.running and not self.commands.poll(HEALTH_CHECK_MS):
+            self.engine.check_health()
         flags = 0 if wait else zmq.NOBLOCK
         while self.running:
             try:
@@ -135,11 +144,15 @@ class EngineCore:
         except Exception as error:  # fail the requests in flight, keep serving
             logger.exception("engine step failed")
             try:
-                return self.engine.fail_all(f"engine step failed: {error!r}")
+                failed = self.engine.fail_all(f"engine step failed: {error!r}")
             except Exception as cleanup:
                 reason = f"engine step failed ({error!r}) and cleanup failed ({cleanup!r})"
                 self.outputs.send(encoder.encode(EngineFailed(reason)))
                 raise
+            if isinstance(error, TensorParallelError):  # fatal: tell the requests why, then stop
+                self.send(failed)
+                raise
+            return failed
 
     def send(self, outputs: list[RequestOutput | RequestUpdate]) -> None:
         updates = [out if isinstance(out, RequestUpdate) else self.update(out) for out in outputs]

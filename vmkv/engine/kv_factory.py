@@ -9,11 +9,18 @@ from vmkv.paging import PagedKVCache
 from vmkv.vattention import VAttentionKVCache
 
 
-def build_kv_cache(config: EngineConfig, shape: KVShape, model_id: str) -> KVCache:
+def build_kv_cache(
+    config: EngineConfig,
+    shape: KVShape,
+    model_id: str,
+    paged: type[PagedKVCache] = PagedKVCache,
+    contiguous: type[ContiguousKVCache] = ContiguousKVCache,
+) -> KVCache:
     """A cache of config.kv_budget_bytes holding sequences up to config.max_model_len tokens.
 
     model_id keys both prefix caches (paged's blocks, vattention's chunks of pages), so KV is
-    never shared across models; a request's cache_salt keys it per tenant.
+    never shared across models; a request's cache_salt keys it per tenant. paged and
+    contiguous may name subclasses (tensor parallelism's rank 0 records what its cache does).
     """
     if config.kv_mode == "vattention":
         options = {} if config.page_size is None else {"page_size": config.page_size}
@@ -27,7 +34,7 @@ def build_kv_cache(config: EngineConfig, shape: KVShape, model_id: str) -> KVCac
             **options,
         )
     if config.kv_mode == "paged":
-        return PagedKVCache(
+        return paged(
             shape,
             config.max_model_len,
             config.kv_budget_bytes,
@@ -36,4 +43,4 @@ def build_kv_cache(config: EngineConfig, shape: KVShape, model_id: str) -> KVCac
             enable_prefix_caching=config.enable_prefix_caching,
             model_id=model_id,
         )
-    return ContiguousKVCache(shape, config.max_model_len, config.kv_budget_bytes, config.device)
+    return contiguous(shape, config.max_model_len, config.kv_budget_bytes, config.device)

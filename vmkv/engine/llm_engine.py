@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from vmkv import faults
+from vmkv.distributed.errors import TensorParallelError
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.engine_info import EngineInfo
@@ -69,11 +70,28 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)  # process-wide: the engine owns its process
         self.model_path = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.runner = ModelRunner(config, str(self.model_path))
-        limit = self.runner.max_position_embeddings
-        if limit is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
-        self.cache = build_kv_cache(config, self.runner.kv_shape, str(self.model_path))
+        # tensor parallelism: this process is rank 0, with the one scheduler and KV manager
+        self.tp = None
+        if config.tensor_parallel_size > 1:
+            from vmkv.distributed.group import TensorParallel  # it builds on this package's modules
+
+            self.tp = TensorParallel(config, str(self.model_path))
+        try:
+            shard = None if self.tp is None else self.tp.install
+            self.runner = ModelRunner(config, str(self.model_path), shard=shard)
+            limit = self.runner.max_position_embeddings
+            if limit is not None and config.max_model_len > limit:
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} exceeds the model's {limit} positions"
+                )
+            build = build_kv_cache if self.tp is None else self.tp.build_cache
+            self.cache = build(config, self.runner.kv_shape, str(self.model_path))
+            if self.tp is not None:
+                self.tp.wait_ready()
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
         self.scheduler = Scheduler(config, self.cache)
         self.info = EngineInfo(
             model_path=str(self.model_path),
@@ -209,6 +227,8 @@ class LLMEngine:
             logits, hidden = self.runner.execute(self.cache, sched.scheduled, wanted)
             for i, rows in zip(wanted, hidden, strict=True):
                 self._record_prompt_logprobs(sched.scheduled[i], rows)
+        except TensorParallelError:
+            raise  # the ranks are out of step: no retry can help, the engine must stop
         except Exception as error:  # noqa: BLE001 - the step's requests are retried or fail; others carry on
             return self._checked(outputs + self._retry_or_fail(sched.scheduled, error))
         if self._forward_failures:  # a forward that went through: the count starts again
@@ -261,9 +281,16 @@ class LLMEngine:
             kv_stats=kv,
         )
 
+    def check_health(self) -> None:
+        """Raise TensorParallelError if a tensor-parallel rank has exited (for an idle engine)."""
+        if self.tp is not None:
+            self.tp.check_alive()
+
     def close(self) -> None:
         self.grammars.close()
         self.cache.close()
+        if self.tp is not None:
+            self.tp.close()
 
     # ------------------------------------------------------------- helpers
     def _checked(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

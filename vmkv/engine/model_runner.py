@@ -9,7 +9,7 @@ Logits are computed only for the rows that sample.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from itertools import chain
 
@@ -30,7 +30,10 @@ PROMPT_LOGPROB_ROWS = 256  # prompt rows per lm_head call for prompt logprobs: [
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: str, shard: Callable[[torch.nn.Module], None] | None = None
+    ) -> None:
+        """shard, if given, cuts the loaded model down to this rank's part (tensor parallelism)."""
         self.device = torch.device(config.device)
         self.model = load_model(model_path, dtype=config.torch_dtype, attn_implementation=ATTENTION_NAME)
         window = getattr(self.model.config, "sliding_window", None)
@@ -41,6 +44,8 @@ class ModelRunner:
                 f"implement; set max_model_len <= {window} (it is {config.max_model_len})"
             )
         self.model.to(self.device)
+        if shard is not None:  # before the linears are converted or packed: they see the rank's part
+            shard(self.model)
         self.fp32_gemm = wants_fp32_gemm(config)
         self.packed_gemm = wants_packed_gemm(config, self.fp32_gemm)
         if self.fp32_gemm:

@@ -1,0 +1,183 @@
+"""Tensor parallelism over gloo, every rank its own process: TP=2 gives TP=1's greedy fp32 outputs
+with preemption, prefix hits, copy-on-write and swap forced, from one KV manager whose decisions
+the other rank repeats on half the KV bytes; configurations that would cut a head are refused;
+a killed rank fails its requests with a clear error, the server answers 503 and no process is
+left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from test_engine_process import alive, children, vmkv_serve, wait_until
+
+from vmkv.distributed.errors import TensorParallelConfigError
+from vmkv.distributed.sharding import check_divides
+from vmkv.engine import LLM, AsyncProcessLLM, EngineConfig, EngineDead, SamplingParams
+from vmkv.engine.llm_engine import EngineStats
+from vmkv.model.store import load_model
+
+# 4 attention heads and 2 KV heads (tests/conftest.py's tiny Llama): both divide by 2
+BASE = {"dtype": "float32", "num_threads": 1, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+# budgets small enough that the six requests below preempt one another
+CASES = {
+    "paged-recompute": {"kv_mode": "paged", "preemption_mode": "recompute", "block_size": 8,
+                        "kv_budget_bytes": 80 << 10, "max_model_len": 128},
+    "paged-swap": {"kv_mode": "paged", "preemption_mode": "swap", "block_size": 8,
+                   "kv_budget_bytes": 80 << 10, "max_model_len": 128},
+    "contiguous-swap": {"kv_mode": "contiguous", "preemption_mode": "swap",
+                        "kv_budget_bytes": 256 << 10, "max_model_len": 256},
+}  # fmt: skip
+SHARED = list(range(5, 22))  # a shared prompt prefix: two full blocks of 8 hit the prefix cache
+PROMPTS = [SHARED + [30 + i] * (i + 2) for i in range(6)]
+# n = 2 forks a request's prompt: copy-on-write of its last block (paged), a slot copy (contiguous)
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, n=1 + i % 2) for i in range(6)]
+
+
+@dataclass
+class Run:
+    tokens: list[list[list[int]]]  # request -> sample -> token ids
+    stats: EngineStats
+    kv_bytes: list[int]  # per rank
+    messages: int  # steps sent to the other ranks
+
+
+def run(model: Path, case: dict, tensor_parallel_size: int) -> Run:
+    llm = LLM(str(model), **BASE, **case, tensor_parallel_size=tensor_parallel_size)
+    try:
+        outputs = llm.generate(PROMPTS, PARAMS)
+        engine = llm.engine
+        tp = engine.tp
+        return Run(
+            [[sample.token_ids for sample in out.outputs] for out in outputs],
+            engine.stats(),
+            [engine.cache.memory().reserved_bytes] if tp is None else tp.kv_bytes_per_rank(),
+            0 if tp is None else tp.stats.steps,
+        )
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def runs(request: pytest.FixtureRequest, tiny_model_dir: Path) -> tuple[Run, Run]:
+    case = CASES[request.param]
+    return run(tiny_model_dir, case, 1), run(tiny_model_dir, case, 2)
+
+
+def test_two_ranks_give_one_rank_s_greedy_outputs_under_preemption(runs: tuple[Run, Run]) -> None:
+    one, two = runs
+    assert one.stats.num_preemptions > 0, "the budget should force preemption"
+    assert two.tokens == one.tokens
+
+
+def test_the_kv_manager_decides_once_and_the_other_rank_follows(runs: tuple[Run, Run]) -> None:
+    one, two = runs
+    kv_one, kv_two = one.stats.kv_stats, two.stats.kv_stats
+    # rank 0's cache made exactly the one-rank engine's decisions ...
+    assert two.stats.num_preemptions == one.stats.num_preemptions
+    assert kv_two.units_total == kv_one.units_total and kv_two.units_peak == kv_one.units_peak
+    if kv_one.unit == "block":
+        assert kv_one.prefix_cache_hits > 0 and kv_one.cow_copies > 0, "the workload should share blocks"
+        assert (kv_two.prefix_cache_hits, kv_two.cow_copies) == (kv_one.prefix_cache_hits, kv_one.cow_copies)
+    # ... moving half the bytes, since it holds half the KV heads
+    assert kv_two.swap_out_bytes * 2 == kv_one.swap_out_bytes
+    # and the other rank got every step in one message
+    assert two.messages == two.stats.num_steps
+
+
+def test_each_rank_holds_half_the_kv_bytes(runs: tuple[Run, Run]) -> None:
+    one, two = runs
+    [whole] = one.kv_bytes
+    assert two.kv_bytes == [whole // 2, whole // 2]
+
+
+def test_a_split_that_would_cut_a_head_is_refused_naming_the_model_s_counts(tiny_model_dir: Path) -> None:
+    config = load_model(tiny_model_dir).config
+    check_divides(config, 2)
+    with pytest.raises(TensorParallelConfigError, match="4 attention heads, 2 KV heads and 128 MLP columns"):
+        check_divides(config, 4)
+    with pytest.raises(TensorParallelConfigError, match="must divide the model's 4 attention heads"):
+        LLM(str(tiny_model_dir), **BASE, kv_mode="paged", tensor_parallel_size=4)  # refused before any worker
+
+
+def test_layouts_and_modes_without_tensor_parallelism_are_refused_up_front() -> None:
+    with pytest.raises(ValueError, match="kv_mode vattention cannot run with tensor_parallel_size 2"):
+        EngineConfig(kv_mode="vattention", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="compile_model"):
+        EngineConfig(kv_mode="paged", compile_model=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(kv_mode="paged", tensor_parallel_size=0)
+
+
+# ----------------------------------------------------------------------------- a rank that dies
+
+
+def test_killing_a_rank_fails_its_requests_and_the_server_answers_503(tiny_model_dir: Path) -> None:
+    flags = ("--kv-mode", "paged", "--tensor-parallel-size", "2", "--max-model-len", "2048")
+    with vmkv_serve(tiny_model_dir, *flags) as (process, url), httpx.Client(base_url=url, timeout=60) as http:
+        [engine] = children(process.pid)
+        [worker] = children(engine)
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Hello", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line.removeprefix("data: "))
+                        first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        os.kill(worker, signal.SIGKILL)
+        reader.join(timeout=60)
+        assert not reader.is_alive(), "the stream should end, not hang"
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])
+        assert "tensor-parallel rank 1" in json.dumps(error), error
+        wait_until(lambda: not alive(engine), 30, "the engine should stop once a rank is gone")
+        refused = http.post("/v1/completions", json={**body, "stream": False})
+        assert refused.status_code == 503
+        assert "tensor-parallel rank 1" in refused.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
+
+
+def test_killing_rank_0_takes_the_workers_along(tiny_model_dir: Path) -> None:
+    engine = AsyncProcessLLM(model=str(tiny_model_dir), **BASE, kv_mode="paged", tensor_parallel_size=2)
+    try:
+        [worker] = children(engine.pid)
+
+        async def generate() -> list[int]:
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            outputs = [out async for out in engine.generate([5, 6, 7], params)]
+            return outputs[-1].outputs[0].token_ids
+
+        assert len(asyncio.run(generate())) == 8
+        os.kill(engine.pid, signal.SIGKILL)
+        wait_until(lambda: not alive(worker), 30, "the worker outlived its rank 0")
+        with pytest.raises(EngineDead):
+            asyncio.run(generate())
+    finally:
+        engine.shutdown()
+
+
+def test_a_rank_killed_while_the_engine_is_idle_stops_it_with_that_reason(tiny_model_dir: Path) -> None:
+    engine = AsyncProcessLLM(model=str(tiny_model_dir), **BASE, kv_mode="paged", tensor_parallel_size=2)
+    try:
+        [worker] = children(engine.pid)
+        os.kill(worker, signal.SIGKILL)
+        wait_until(lambda: engine.dead_reason is not None, 30, "an idle engine should notice a lost rank")
+        assert f"tensor-parallel rank 1 (pid {worker}) exited (killed by signal 9)" in engine.dead_reason
+        wait_until(lambda: not alive(engine.pid), 30, "the engine should stop once a rank is gone")
+    finally:
+        engine.shutdown()
