@@ -76,7 +76,7 @@ class TensorParallel:
         try:
             for rank in range(1, n):
                 self.workers[rank] = _spawn_worker(rank, n, host, self.store.port)
-            self._wait_for(channel.joined_key)
+            self._wait_for_joined()
             self._group = channel.join(self.store, 0, n, config.device)
             self._joined = True
         except BaseException:
@@ -103,12 +103,31 @@ class TensorParallel:
         return self.cache
 
     def wait_ready(self) -> None:
-        """Return once every worker has built its model and cache; raise if one could not."""
-        self._wait_for(channel.ready_key)
-        for rank in self.workers:
-            status = self.store.get(channel.ready_key(rank)).decode()
-            if status != "ok":
-                raise TensorParallelError(f"tensor-parallel rank {rank} could not start: {status}")
+        """Return once every worker has built its model and cache; raise, with the worker's own
+        reason where it gave one, if one could not."""
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        waiting = set(self.workers)
+        while waiting:
+            # liveness first: a worker that failed set its reason before it exited, so the
+            # store, read after, has it
+            try:
+                self.check_alive()
+                gone = None
+            except TensorParallelError as error:
+                gone = error
+            for rank in sorted(waiting):
+                if self.store.check([channel.ready_key(rank)]):
+                    status = self.store.get(channel.ready_key(rank)).decode()
+                    if status != "ok":
+                        raise TensorParallelError(f"tensor-parallel rank {rank} could not start: {status}")
+                    waiting.discard(rank)
+            if gone is not None:
+                raise gone
+            if time.monotonic() > deadline:
+                raise TensorParallelError(
+                    f"tensor-parallel ranks {sorted(waiting)} were not ready in {START_TIMEOUT_SECONDS:.0f} s"
+                )
+            time.sleep(POLL_SECONDS)
 
     def kv_bytes_per_rank(self) -> list[int]:
         """The bytes of KV storage each rank holds, rank 0 first."""
@@ -184,9 +203,9 @@ class TensorParallel:
         if self._joined:
             dist.destroy_process_group()
 
-    def _wait_for(self, key: object) -> None:
-        """Wait until every worker has set key(rank), failing early if one exits."""
-        keys = [key(rank) for rank in self.workers]
+    def _wait_for_joined(self) -> None:
+        """Wait until every worker has reached the group's rendezvous, failing early if one exits."""
+        keys = [channel.joined_key(rank) for rank in self.workers]
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         while not self.store.check(keys):
             self.check_alive()
