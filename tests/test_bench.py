@@ -280,6 +280,10 @@ def test_capacity_classic_example_paging_holds_about_18x_contiguous() -> None:
     # head-major's 8 x 2 MiB exceeds the whole budget.
     assert by_name["vattention (2 MiB pages, token-major)"].sequences == 1
     assert by_name["vattention (2 MiB pages, head-major)"].sequences == 0
+    # layer-packed: one region a sequence, 512 B a token. 64 KiB pages hold 128 tokens: one page
+    # for 98..118; 2 MiB pages hold 4,096 tokens: four sequences in a budget of four pages.
+    assert by_name["vattention (64 KiB pages, layer-packed)"].sequences == 8 * MIB // (64 * KIB) == 128
+    assert by_name["vattention (2 MiB pages, layer-packed)"].sequences == 4
 
 
 # ---------------------------------------------------------------------- kernels
@@ -435,8 +439,12 @@ def test_tiny_offline_bench_writes_json_markdown_and_plots(
     assert {r["target"] for r in engine_runs} == {"vattention", "paged"}
     assert all(r["engine"]["timeline"] and r["engine"]["peak_allocated_bytes"] > 0 for r in engine_runs)
     assert results["capacity"][0]["layout"] == "contiguous"
+    speeds = {(r["order"], r["attention"]) for r in results["decode_speed"]}
+    assert speeds == {(o, a) for o in ("token", "head", "packed") for a in ("cpu_kernel", "sdpa")}
+    assert all(r["ms_per_layer"] > 0 for r in results["decode_speed"])
     report = (out / "report.md").read_text()
     assert "| vattention |" in report and "| transformers |" in report and "Capacity" in report
+    assert "Decode attention per vattention order" in report
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert {"capacity.png", "kv_memory.png", "rate_sweep.png", "ttft_cdf.png"} <= set(pngs)
     assert all((out / "plots" / p).stat().st_size > 1000 for p in pngs)

@@ -6,15 +6,17 @@ after every step; afterwards nothing is held."""
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
 import pytest
 
 from vmkv import faults
-from vmkv.engine import LLM, SamplingParams
+from vmkv.engine import LLM, SamplingParams, kv_factory
 from vmkv.engine.config import KV_MODES
 from vmkv.faults import Faults, InvariantError, check_engine
+from vmkv.vattention import VAttentionKVCache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -111,13 +113,17 @@ def test_the_self_check_catches_a_leaked_sequence(tiny_model_dir: Path) -> None:
     llm.close()
 
 
-def test_a_transient_enomem_while_alone_is_retried_not_failed(tiny_model_dir: Path) -> None:
+def test_a_transient_enomem_while_alone_is_retried_not_failed(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An ENOMEM from the driver (the machine short of memory for a moment) while a request runs
     alone is retried on the next steps and the request completes, with the output it has
     without faults; it used to fail as needing more KV memory than the whole cache holds.
-    With every 9th map call failing and 8 per page set here, a first engine's request takes
-    calls 1-8; a second engine's lone request then has its first map (call 9) fail and its
-    retry (calls 10-17) succeed."""
+    With every 9th map call failing and 8 per page set here (head-major: one per KV head of each
+    layer's K and V), a first engine's request takes calls 1-8; a second engine's lone request
+    then has its first map (call 9) fail and its retry (calls 10-17) succeed."""
+    head_major = functools.partial(VAttentionKVCache, order="head")
+    monkeypatch.setattr(kv_factory, "VAttentionKVCache", head_major)
     prompt = list(range(8, 48))
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     clean = make_llm(tiny_model_dir, "vattention")

@@ -157,12 +157,12 @@ def test_packed_order_holds_every_layer_in_one_region_of_strided_views() -> None
     cache.close()
 
 
-def test_auto_layout_is_head_major_for_small_pages_and_token_major_for_2_mib() -> None:
-    shape = KVShape(num_layers=1, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+def test_auto_layout_is_layer_packed_at_every_page_size() -> None:
+    shape = KVShape(num_layers=2, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)  # 1,536 B a token
     small = VAttentionKVCache(shape, 1024, 8 << 20, background_mapping=False)
     large = VAttentionKVCache(shape, 8192, 8 << 20, page_size=2 << 20, background_mapping=False)
-    assert small.geometry.order == "head" and small.geometry.tokens_backed(1) == 512
-    assert large.geometry.order == "token" and large.geometry.tokens_backed(1) == 5461
+    assert small.geometry.order == "packed" and small.geometry.tokens_backed(1) == 42
+    assert large.geometry.order == "packed" and large.geometry.tokens_backed(1) == 1365
     small.close()
     large.close()
 
@@ -458,7 +458,7 @@ def test_wrong_calls_raise_precise_errors() -> None:
     with pytest.raises(ValueError, match="no memory driver"):
         VAttentionKVCache(SHAPE, MAX_LEN, 1 << 20, "meta")
     with pytest.raises(ValueError, match="no page set"):
-        VAttentionKVCache(SHAPE, MAX_LEN, PAGE, page_size=PAGE)
+        VAttentionKVCache(SHAPE, MAX_LEN, PAGE, page_size=PAGE, order="token")  # 4 pages a set
     cache.close()
     with pytest.raises(RuntimeError, match="closed"):
         cache.admit(2, [0])

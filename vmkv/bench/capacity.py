@@ -4,7 +4,8 @@ Each layout's real cache admits a sequence's prompt and grows it token by token 
 final length, then the next sequence, until the cache raises OutOfKVMemory. Nothing is
 computed from formulas, so the figure includes every rounding the layout really does:
 contiguous reserves max_len per sequence, paged rounds up to a block, vattention rounds
-each K/V tensor of each layer up to a page.
+each K/V tensor of each layer (per-layer orders) or the whole sequence (layer-packed) up to a
+page.
 
 The classic example: sequences of about 100 tokens (a short prompt and an answer of about
 100 tokens) under a 2,048-token maximum. Contiguous reservation holds budget / 2048 tokens
@@ -28,6 +29,7 @@ from vmkv.vattention.geometry import ORDERS
 
 KIB = 1024
 MIB = 1024 * KIB
+ORDER_NAMES = {"token": "token-major", "head": "head-major", "packed": "layer-packed"}
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64, bf16 -> 23,040 bytes of KV per token.
 SMOLLM2_KV = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
@@ -104,7 +106,8 @@ def layouts(
 
     vattention gets max_slots slots: slots are only address space, so memory alone limits it.
     Its token-major order rounds each K/V tensor of a layer up to a page; head-major rounds
-    each KV head's column up to a page, so it wastes up to Hkv times more.
+    each KV head's column up to a page, so it wastes up to Hkv times more; layer-packed rounds
+    a sequence's one region (every layer's K and V) up to a page, 2 x layers times less.
     """
     shape, max_len, budget = scenario.shape, scenario.max_len, scenario.budget_bytes
     builders: dict[str, Callable[[], KVCache]] = {
@@ -115,7 +118,7 @@ def layouts(
     }
     for page in page_sizes:
         for order in vattention_orders:
-            builders[f"vattention ({format_bytes(page)} pages, {order}-major)"] = (
+            builders[f"vattention ({format_bytes(page)} pages, {ORDER_NAMES[order]})"] = (
                 lambda page=page, order=order: VAttentionKVCache(
                     shape,
                     max_len,

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from vmkv.bench.capacity import KIB, MIB, CapacityScenario, measure_capacity
+from vmkv.bench.decode_speed import DecodeSpeed, measure_decode_speed
 from vmkv.bench.kernels import AttentionShape, kernel_matrix
 from vmkv.bench.metrics import SLO
 from vmkv.bench.offline import Round, RunResult, Target, engine_targets, run_interleaved
@@ -41,11 +42,13 @@ from vmkv.bench.workloads import (
     read_trace,
     trace_workload,
 )
+from vmkv.drivers import DEFAULT_PAGE_SIZE
 from vmkv.engine import EngineConfig
 from vmkv.engine.args import AUTO_DTYPE, add_engine_arguments, engine_config, positive_int
 from vmkv.engine.config import KV_MODES
 from vmkv.kv_cache import KVShape
 from vmkv.model.store import DEFAULT_MODEL, load_tokenizer, resolve_model
+from vmkv.vattention.config import CUDA_PAGE_SIZE
 
 SECTIONS = ("capacity", "kernels", "offline", "online")
 
@@ -318,6 +321,21 @@ def token_range(model_path: Path) -> TokenRange:
     return TokenRange(max(tokenizer.all_special_ids, default=-1) + 1, len(tokenizer))
 
 
+def _decode_speed(shape: KVShape, num_q_heads: int, config: EngineConfig) -> list[DecodeSpeed]:
+    """Each vattention order's decode attention at 2k context, batch 8: on a CPU by
+    the C kernel and by stock SDPA, on a GPU by the cache's own path at the driver's 2 MiB pages."""
+    device = torch.device(config.device)
+    cuda = device.type == "cuda"
+    return measure_decode_speed(
+        shape,
+        context=2048,
+        attentions=("auto",) if cuda else ("cpu_kernel", "sdpa"),
+        page_size=CUDA_PAGE_SIZE if cuda else DEFAULT_PAGE_SIZE,
+        device=device,
+        num_q_heads=num_q_heads,
+    )
+
+
 def model_shapes(model_path: Path, dtype: torch.dtype, block_size: int) -> tuple[KVShape, AttentionShape]:
     hf = AutoConfig.from_pretrained(model_path)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -425,6 +443,7 @@ def bench_main(args: argparse.Namespace) -> None:
                 f"{scenario.answer_range[0]}-{scenario.answer_range[1]} tokens, max_len {scenario.max_len}, "
                 f"KV in bf16 ({bf16.bytes_per_token:,} bytes per token)"
             )
+            results.decode_speed = _decode_speed(bf16, attention_shape.num_q_heads, config)
         if "kernels" in plan.sections:
             results.kernels = kernel_matrix(
                 attention_shape,

@@ -17,6 +17,7 @@ import torch
 from matplotlib.figure import Figure  # the object API: files only, no pyplot state or window
 
 from vmkv.bench.capacity import CapacityResult, format_bytes
+from vmkv.bench.decode_speed import DecodeSpeed
 from vmkv.bench.kernels import KernelMatrix, cell_key
 from vmkv.bench.metrics import Distribution, RunMetrics
 from vmkv.bench.offline import EngineSummary, RunResult
@@ -29,6 +30,7 @@ MIB = 1 << 20
 class BenchResults:
     meta: dict[str, object]
     capacity: list[CapacityResult] = field(default_factory=list)
+    decode_speed: list[DecodeSpeed] = field(default_factory=list)
     kernels: KernelMatrix | None = None
     offline: list[RunResult] = field(default_factory=list)
     online: list[RunResult] = field(default_factory=list)
@@ -228,6 +230,18 @@ def capacity_table(results: Sequence[CapacityResult]) -> list[str]:
     return _table(["layout", "sequences", "vs contiguous", "allocated", "used by tokens", "waste"], rows)
 
 
+def decode_speed_table(results: Sequence[DecodeSpeed]) -> list[str]:
+    """ms per layer of each order and decode path, and its ratio to that path's fastest order."""
+    fastest = {
+        a: min(r.ms_per_layer for r in results if r.attention == a) for a in {r.attention for r in results}
+    }
+    rows = [
+        [r.order, r.attention, _num(r.ms_per_layer, 3), f"{r.ms_per_layer / fastest[r.attention]:.2f}x"]
+        for r in results
+    ]
+    return _table(["order", "decode path", "ms per layer", "vs fastest order"], rows)
+
+
 def kernel_tables(matrix: KernelMatrix) -> list[str]:
     kernels = list(dict.fromkeys(c.kernel for c in matrix.cells))
     layouts = list(dict.fromkeys(c.layout for c in matrix.cells))
@@ -287,6 +301,16 @@ def write_markdown(results: BenchResults, path: Path, plots: Sequence[Path]) -> 
             "",
         ]
         lines += capacity_table(results.capacity)
+    if results.decode_speed:
+        d = results.decode_speed[0]
+        lines += [
+            "## Decode attention per vattention order",
+            "",
+            f"One decode step of {d.batch} sequences at {d.context} tokens, every layer in turn, "
+            f"{format_bytes(d.page_size)} pages; best of several rounds, orders interleaved.",
+            "",
+        ]
+        lines += decode_speed_table(results.decode_speed)
     if results.kernels:
         m = results.kernels
         lines += [

@@ -10,7 +10,7 @@ import torch
 
 from vmkv.drivers import CudaDriver, HostDriver, MemoryDriver
 from vmkv.kv_cache import KVShape
-from vmkv.vattention.config import AUTO_HEAD_MAJOR_MAX_PAGE, CUDA_PAGE_SIZE, VAttentionConfig
+from vmkv.vattention.config import AUTO_ORDER, CUDA_PAGE_SIZE, VAttentionConfig
 from vmkv.vattention.geometry import SlotGeometry
 
 
@@ -48,9 +48,7 @@ def size_cache(
         page_size = CUDA_PAGE_SIZE
     else:
         page_size = cfg.page_size
-    order = cfg.order
-    if order == "auto":  # measured in docs/vattention.md
-        order = "head" if page_size <= AUTO_HEAD_MAJOR_MAX_PAGE else "token"
+    order = AUTO_ORDER if cfg.order == "auto" else cfg.order  # measured in docs/vattention.md
     probe = SlotGeometry(shape, max_len, cfg.max_slots or 1, page_size, order)  # validates
     budget_pages = driver.free_page_count if driver is not None else kv_budget_bytes // page_size
     if kv_budget_bytes is not None:

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from vmkv.dense.plan import DEFAULT_MAX_PADDING
 from vmkv.drivers import DEFAULT_PAGE_SIZE
 
-# "auto" order: head-major up to this page size. Its decode attention is ~25-30% faster on
-# CPU SDPA, but a sequence grows by one page per KV head at a time, so with 2 MiB (CUDA)
-# pages one step of growth would hold 16k tokens; token-major keeps that at 5.4k.
-AUTO_HEAD_MAJOR_MAX_PAGE = 64 * 1024
+# "auto" order: layer-packed at every page size, by `vmkv bench --sections capacity` on SmolLM2
+# (docs/vattention.md): in a 360 MiB budget it holds 149 sequences at 64 KiB pages (token-major
+# 96, head-major 32) and 90 at 2 MiB (3 and 1), and the C decode kernel reads it about as fast
+# as the per-layer orders at 2k context (0.8-1.05x token-major's time). Stock CPU SDPA reads
+# it 2.6x slower than head-major: choose "head" where the C kernel cannot be built.
+AUTO_ORDER = "packed"
 CUDA_PAGE_SIZE = 2 * 1024 * 1024  # the cuMemCreate granularity on current GPUs
 ATTENTION_PATHS = ("auto", "cpu_kernel", "sdpa")
 
