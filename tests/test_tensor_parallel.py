@@ -2,7 +2,8 @@
 with preemption, prefix hits, copy-on-write and swap forced, from one KV manager whose decisions
 the other rank repeats on half the KV bytes; configurations that would cut a head are refused;
 a killed rank fails its requests with a clear error, the server answers 503 and no process is
-left behind."""
+left behind. In one process, the KV contract's state machine drives rank 0's recording cache
+while a replica fed its log must hold the very same KV after every step."""
 
 from __future__ import annotations
 
@@ -16,12 +17,24 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from attention_reference import reference_attention
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, precondition, rule
 from test_engine_process import alive, children, vmkv_serve, wait_until
+from test_kv_contract import MAX_LEN, Q_HEADS, SCALE, SHAPE, ContractLifecycle
+from vmkv.paging import PagedKVCache
 
+from vmkv.contiguous import ContiguousKVCache
 from vmkv.distributed.errors import TensorParallelConfigError
+from vmkv.distributed.messages import StepMessage
+from vmkv.distributed.recording import RecordingContiguousKVCache, RecordingPagedKVCache
+from vmkv.distributed.replica import Replica
 from vmkv.distributed.sharding import check_divides
 from vmkv.engine import LLM, AsyncProcessLLM, EngineConfig, EngineDead, SamplingParams
 from vmkv.engine.llm_engine import EngineStats
+from vmkv.kv_cache import SeqStep
 from vmkv.model.store import load_model
 
 # 4 attention heads and 2 KV heads (tests/conftest.py's tiny Llama): both divide by 2
@@ -114,6 +127,65 @@ def test_layouts_and_modes_without_tensor_parallelism_are_refused_up_front() -> 
         EngineConfig(kv_mode="paged", compile_model=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(kv_mode="paged", tensor_parallel_size=0)
+
+
+# ------------------------------------------------------------------- the log, in one process
+
+
+class ReplicatedLifecycle(ContractLifecycle):
+    """The contract's random lifecycles on rank 0's recording cache; after each step a replica
+    applies the log, plans the step itself and attends with the same new K/V: its attention
+    must match the reference and its storage must equal rank 0's, bit for bit."""
+
+    @initialize(layout=st.sampled_from(["paged", "contiguous"]), option=st.integers(0, 1))
+    def start(self, layout: str, option: int) -> None:
+        if layout == "paged":  # the contract test's paged sizes, with and without prefix caching
+            args = (SHAPE, MAX_LEN, 20 * 8 * SHAPE.bytes_per_token)
+            options = {"block_size": 8, "enable_prefix_caching": option == 1, "model_id": "m"}
+            self.cache, follower = RecordingPagedKVCache(*args, **options), PagedKVCache(*args, **options)
+        else:
+            args = (SHAPE, MAX_LEN, 3 * MAX_LEN * SHAPE.bytes_per_token)
+            self.cache, follower = RecordingContiguousKVCache(*args), ContiguousKVCache(*args)
+        self.replica = Replica(follower)
+        self.capacity = self.cache.free_capacity()
+        self.salts = {}
+        self.history = []
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        super().step(data)
+        if self.cache.log.step is None:  # nothing was pending: no step ran
+            return
+        ops, steps, layout = self.cache.log.take()
+        self.replica.apply(ops)
+        plan = self.replica.plan(StepMessage(ops, steps, layout, [], []))
+        seq_steps = [SeqStep(*s) for s in steps]
+        tokens = sum(s.num_new for s in seq_steps)
+        for layer in range(SHAPE.num_layers):
+            # the contract's K/V are a function of the prefix, and computed now counts these tokens
+            new = torch.cat(
+                [self.truth(s.seq_id, layer, s.context_len, s.num_cached) for s in seq_steps], dim=1
+            )
+            q = torch.randn(tokens, Q_HEADS, SHAPE.head_dim, generator=self.gen)
+            out = self.replica.cache.attend(layer, q, new[0].contiguous(), new[1].contiguous(), plan, SCALE)
+            contexts = [self.truth(s.seq_id, layer, s.context_len) for s in seq_steps]
+            ref = reference_attention(q, [c[0] for c in contexts], [c[1] for c in contexts], seq_steps, SCALE)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+        assert torch.equal(self.replica.cache.kv, self.cache.kv)
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self.cache is not None:
+            self.replica.cache.close()
+
+
+ReplicatedLifecycle.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_a_replica_fed_rank_0_s_log_holds_rank_0_s_kv = pytest.mark.usefixtures("one_torch_thread")(
+    ReplicatedLifecycle.TestCase
+)
 
 
 # ----------------------------------------------------------------------------- a rank that dies
