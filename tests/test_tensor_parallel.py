@@ -191,11 +191,16 @@ test_a_replica_fed_rank_0_s_log_holds_rank_0_s_kv = pytest.mark.usefixtures("one
 # ----------------------------------------------------------------------------- a rank that dies
 
 
-def test_killing_a_rank_fails_its_requests_and_the_server_answers_503(tiny_model_dir: Path) -> None:
-    flags = ("--kv-mode", "paged", "--tensor-parallel-size", "2", "--max-model-len", "2048")
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_killing_a_rank_fails_its_requests_and_the_server_answers_503(
+    tiny_model_dir: Path, engine_process: bool
+) -> None:
+    flags = ["--kv-mode", "paged", "--tensor-parallel-size", "2", "--max-model-len", "2048"]
+    flags += [] if engine_process else ["--no-engine-process"]
     with vmkv_serve(tiny_model_dir, *flags) as (process, url), httpx.Client(base_url=url, timeout=60) as http:
-        [engine] = children(process.pid)
-        [worker] = children(engine)
+        # rank 0 is the engine process, or the server's own process when the engine is a thread
+        [rank_0] = children(process.pid) if engine_process else [process.pid]
+        [worker] = children(rank_0)
         model = http.get("/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": "Hello", "max_tokens": 1900, "ignore_eos": True, "stream": True}
         events: list[str] = []
@@ -215,13 +220,14 @@ def test_killing_a_rank_fails_its_requests_and_the_server_answers_503(tiny_model
         reader.join(timeout=60)
         assert not reader.is_alive(), "the stream should end, not hang"
         assert events[-1] == "[DONE]"
-        error = json.loads(events[-2])
-        assert "tensor-parallel rank 1" in json.dumps(error), error
-        wait_until(lambda: not alive(engine), 30, "the engine should stop once a rank is gone")
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and f"tensor-parallel rank 1 (pid {worker})" in error["message"], error
         refused = http.post("/v1/completions", json={**body, "stream": False})
         assert refused.status_code == 503
         assert "tensor-parallel rank 1" in refused.json()["error"]["message"]
         assert http.get("/health").status_code == 503
+        if engine_process:
+            wait_until(lambda: not alive(rank_0), 30, "the engine should stop once a rank is gone")
 
 
 def test_killing_rank_0_takes_the_workers_along(tiny_model_dir: Path) -> None:

@@ -144,15 +144,11 @@ class EngineCore:
         except Exception as error:  # fail the requests in flight, keep serving
             logger.exception("engine step failed")
             try:
-                failed = self.engine.fail_all(f"engine step failed: {error!r}")
+                return self.engine.fail_all(f"engine step failed: {error!r}")
             except Exception as cleanup:
                 reason = f"engine step failed ({error!r}) and cleanup failed ({cleanup!r})"
                 self.outputs.send(encoder.encode(EngineFailed(reason)))
                 raise
-            if isinstance(error, TensorParallelError):  # fatal: tell the requests why, then stop
-                self.send(failed)
-                raise
-            return failed
 
     def send(self, outputs: list[RequestOutput | RequestUpdate]) -> None:
         updates = [out if isinstance(out, RequestUpdate) else self.update(out) for out in outputs]

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from vmkv import faults
-from vmkv.distributed.errors import TensorParallelError
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.engine_info import EngineInfo
@@ -227,8 +226,6 @@ class LLMEngine:
             logits, hidden = self.runner.execute(self.cache, sched.scheduled, wanted)
             for i, rows in zip(wanted, hidden, strict=True):
                 self._record_prompt_logprobs(sched.scheduled[i], rows)
-        except TensorParallelError:
-            raise  # the ranks are out of step: no retry can help, the engine must stop
         except Exception as error:  # noqa: BLE001 - the step's requests are retried or fail; others carry on
             return self._checked(outputs + self._retry_or_fail(sched.scheduled, error))
         if self._forward_failures:  # a forward that went through: the count starts again
@@ -282,7 +279,8 @@ class LLMEngine:
         )
 
     def check_health(self) -> None:
-        """Raise TensorParallelError if a tensor-parallel rank has exited (for an idle engine)."""
+        """Raise TensorParallelError (vmkv.distributed.errors) if a tensor-parallel rank has
+        exited: for an idle engine, which no failed step would tell."""
         if self.tp is not None:
             self.tp.check_alive()
 
