@@ -11,6 +11,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ from attention_reference import reference_attention
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
-from test_engine_process import alive, children, vmkv_serve, wait_until
+from test_engine_process import alive, children, free_port, vmkv_serve, wait_until
 from test_kv_contract import MAX_LEN, Q_HEADS, SCALE, SHAPE, ContractLifecycle
 from vmkv.paging import PagedKVCache
 
@@ -62,8 +64,8 @@ class Run:
     messages: int  # steps sent to the other ranks
 
 
-def run(model: Path, case: dict, tensor_parallel_size: int) -> Run:
-    llm = LLM(str(model), **BASE, **case, tensor_parallel_size=tensor_parallel_size)
+def run(model: Path, case: dict, tensor_parallel_size: int, **options: object) -> Run:
+    llm = LLM(str(model), **BASE, **case, tensor_parallel_size=tensor_parallel_size, **options)
     try:
         outputs = llm.generate(PROMPTS, PARAMS)
         engine = llm.engine
@@ -109,6 +111,39 @@ def test_each_rank_holds_half_the_kv_bytes(runs: tuple[Run, Run]) -> None:
     one, two = runs
     [whole] = one.kv_bytes
     assert two.kv_bytes == [whole // 2, whole // 2]
+
+
+def test_a_rank_started_apart_joins_through_the_rendezvous(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on another machine: the worker is started by hand with torchrun's variables only,
+    before rank 0 exists, and finds the group and the engine's config through the TCP store."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2")
+    worker = subprocess.Popen([sys.executable, "-m", "vmkv.distributed.worker"], env=env)
+    try:
+        case = CASES["paged-recompute"]
+        two = run(tiny_model_dir, case, 2, tensor_parallel_local_ranks=1)
+        assert worker.wait(timeout=30) == 0, "the worker should stop when rank 0 closes"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert two.tokens == run(tiny_model_dir, case, 1).tokens
+
+
+def test_ranks_started_apart_need_a_known_rendezvous(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match="set MASTER_ADDR .* and MASTER_PORT"):
+        LLM(
+            str(tiny_model_dir),
+            **BASE,
+            kv_mode="paged",
+            tensor_parallel_size=2,
+            tensor_parallel_local_ranks=1,
+        )
 
 
 def test_a_split_that_would_cut_a_head_is_refused_naming_the_model_s_counts(tiny_model_dir: Path) -> None:

@@ -48,11 +48,19 @@ class ChannelStats:
 
 
 class TensorParallel:
-    """The workers of ranks 1..N-1 and the group; this process is rank 0."""
+    """The group of ranks 0..N-1; this process is rank 0 and starts the workers of this
+    machine's other ranks (tensor_parallel_local_ranks, default all); the rest join from
+    other machines through the same rendezvous."""
 
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         self.world_size = n = config.tensor_parallel_size
         check_divides(AutoConfig.from_pretrained(model_path, local_files_only=True), n)
+        local = config.tensor_parallel_local_ranks or n
+        if local < n and "MASTER_PORT" not in os.environ:
+            raise ValueError(
+                "ranks started on other machines need a known rendezvous: set MASTER_ADDR to an "
+                "address of this machine they reach and MASTER_PORT to a free port"
+            )
         if config.num_threads is None:  # the ranks share the machine's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // n))
         self.shard = Shard(0, n, failure_reason=self.failure_reason)
@@ -74,8 +82,16 @@ class TensorParallel:
         )
         self.store.set(channel.CONFIG_KEY, msgspec.json.encode(replace(config, model=model_path)))
         try:
-            for rank in range(1, n):
+            for rank in range(1, local):
                 self.workers[rank] = _spawn_worker(rank, n, host, self.store.port)
+            if local < n:
+                logger.info(
+                    "waiting for tensor-parallel ranks %d..%d to join at %s:%d",
+                    local,
+                    n - 1,
+                    host,
+                    self.store.port,
+                )
             self._wait_for_joined()
             self._group = channel.join(self.store, 0, n, config.device)
             self._joined = True
@@ -106,7 +122,7 @@ class TensorParallel:
         """Return once every worker has built its model and cache; raise, with the worker's own
         reason where it gave one, if one could not."""
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        waiting = set(self.workers)
+        waiting = set(range(1, self.world_size))
         while waiting:
             # liveness first: a worker that failed set its reason before it exited, so the
             # store, read after, has it
@@ -131,12 +147,13 @@ class TensorParallel:
 
     def kv_bytes_per_rank(self) -> list[int]:
         """The bytes of KV storage each rank holds, rank 0 first."""
-        workers = [int(self.store.get(channel.kv_bytes_key(rank))) for rank in self.workers]
+        workers = [int(self.store.get(channel.kv_bytes_key(rank))) for rank in range(1, self.world_size)]
         return [self.cache.memory().reserved_bytes, *workers]
 
     # ---------------------------------------------------------------- steps
     def check_alive(self) -> None:
-        """Raise TensorParallelError naming the first worker that has exited."""
+        """Raise TensorParallelError naming the first worker of this machine that has exited
+        (a rank on another machine shows only as a failed collective)."""
         for rank, process in self.workers.items():
             if (code := process.poll()) is not None:
                 raise TensorParallelError(
@@ -205,7 +222,7 @@ class TensorParallel:
 
     def _wait_for_joined(self) -> None:
         """Wait until every worker has reached the group's rendezvous, failing early if one exits."""
-        keys = [channel.joined_key(rank) for rank in self.workers]
+        keys = [channel.joined_key(rank) for rank in range(1, self.world_size)]
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         while not self.store.check(keys):
             self.check_alive()

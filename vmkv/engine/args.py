@@ -137,6 +137,13 @@ def add_engine_arguments(
         default=d.tensor_parallel_size,
         help="ranks the model is split over, each with 1/N of its heads and KV (paged, contiguous modes)",
     )
+    add(
+        "tensor_parallel_local_ranks",
+        "--tensor-parallel-local-ranks",
+        type=positive_int,
+        default=d.tensor_parallel_local_ranks,
+        help="ranks started on this machine (default: all); the rest join from others (docs/scale-out.md)",
+    )
     missing = {f.name for f in dataclasses.fields(EngineConfig)} - named
     assert not missing, f"EngineConfig fields without a flag: {missing}"
 
@@ -179,6 +186,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
         out += ["--page-size", str(config.page_size)]
     if config.num_threads is not None:
         out += ["--num-threads", str(config.num_threads)]
+    if config.tensor_parallel_local_ranks is not None:
+        out += ["--tensor-parallel-local-ranks", str(config.tensor_parallel_local_ranks)]
     if config.fp32_gemm is not None:
         out.append("--fp32-gemm" if config.fp32_gemm else "--no-fp32-gemm")
     return out

@@ -47,6 +47,9 @@ class EngineConfig:
     # tensor_parallel_size - 1 workers (vmkv/distributed). kv_budget_bytes is the whole
     # engine's; each rank holds 1/N of it. docs/scale-out.md.
     tensor_parallel_size: int = 1
+    # How many ranks run on this machine (this process and the workers it starts); the others
+    # are started on other machines with the rendezvous variables. None: all of them.
+    tensor_parallel_local_ranks: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -81,6 +84,13 @@ class EngineConfig:
             raise ValueError(
                 "tensor parallelism runs the paged and contiguous layouts; kv_mode vattention "
                 f"cannot run with tensor_parallel_size {self.tensor_parallel_size}"
+            )
+        local = self.tensor_parallel_local_ranks
+        whole = isinstance(local, int) and not isinstance(local, bool)
+        if local is not None and not (whole and 1 <= local <= self.tensor_parallel_size):
+            raise ValueError(
+                f"tensor_parallel_local_ranks must be None or 1..tensor_parallel_size "
+                f"({self.tensor_parallel_size}), got {local!r}"
             )
         if self.tensor_parallel_size > 1 and self.compile_model:
             raise ValueError("compile_model is not supported with tensor_parallel_size > 1 yet")
