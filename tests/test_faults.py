@@ -120,9 +120,10 @@ def test_a_transient_enomem_while_alone_is_retried_not_failed(
     alone is retried on the next steps and the request completes, with the output it has
     without faults; it used to fail as needing more KV memory than the whole cache holds.
     With every 9th map call failing and 8 per page set here (head-major: one per KV head of each
-    layer's K and V), a first engine's request takes calls 1-8; a second engine's lone request
-    then has its first map (call 9) fail and its retry (calls 10-17) succeed."""
-    head_major = functools.partial(VAttentionKVCache, order="head")
+    layer's K and V; no idle slots pre-mapped), a first engine's request takes calls 1-8; a
+    second engine's lone request then has its first map (call 9) fail and its retry (calls
+    10-17) succeed."""
+    head_major = functools.partial(VAttentionKVCache, order="head", premap_slots=0)
     monkeypatch.setattr(kv_factory, "VAttentionKVCache", head_major)
     prompt = list(range(8, 48))
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -306,6 +306,34 @@ def test_background_mapper_maps_next_step_off_the_critical_path() -> None:
     assert not cache._mapper.alive
 
 
+def test_mapper_premaps_idle_slots_so_an_admission_maps_nothing_on_the_step_thread() -> None:
+    # packed pages hold 8 tokens here: four idle slots of 5 pages
+    cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=40)
+    cache.wait_mapper()
+    assert [len(s.sets) for s in cache.table.slots if s.sets] == [5] * 4
+    stats = cache.stats()
+    assert stats.map_calls_critical == 0 and stats.map_calls_background > 0 and stats.units_kept == 20
+    assert cache.free_capacity() == 32 * 8  # pre-mapped pages count as free
+    cache.admit(1, [0] * 37)
+    assert cache.stats().map_calls_critical == 0 and cache.stats().page_sets_reused == 5
+    write(cache, [SeqStep(1, 0, 37)], {1: 1.0})
+    cache.wait_mapper()  # the step's prepare() backed another idle slot: 20 kept sets again
+    assert [len(s.sets) for s in cache.table.idle() if s.sets] == [5] * 4
+    cache.admit(2, [0] * 40)
+    assert cache.stats().map_calls_critical == 0 and cache.stats().page_sets_reused == 10
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_premapped_pages_give_way_to_a_sequence_that_needs_them() -> None:
+    cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=40)
+    cache.wait_mapper()
+    cache.admit(1, [0] * MAX_LEN)  # 25 pages: 12 free, the rest reclaimed from pre-mapped slots
+    assert cache.slot_pages(1) == 25 and cache.stats().page_sets_reclaimed > 0
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
 def test_mapper_job_for_a_freed_slot_is_dropped() -> None:
     cache = make_cache(deferred_reclamation=False)
     cache.admit(1, [0] * 32)
@@ -525,6 +553,7 @@ class Lifecycle(RuleBasedStateMachine):
             eager_steps=eager,
             group_pad_pages=pad,
         )
+        self.cache.wait_mapper()  # idle slots pre-mapped at construction
 
     def teardown(self) -> None:
         if self.cache is not None:
@@ -568,6 +597,7 @@ class Lifecycle(RuleBasedStateMachine):
         fill = {s.seq_id: float(self.next_id * 1000 + s.seq_id) for s in steps}
         self.next_id += 1
         write(self.cache, steps, fill)
+        self.cache.wait_mapper()  # what the mapper maps decides later rules' outcomes: not timing
         for s in steps:
             self.written[s.seq_id] += [fill[s.seq_id]] * s.num_new
 

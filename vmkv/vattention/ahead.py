@@ -1,7 +1,8 @@
 """Mapping ahead of need, so the step thread rarely maps: look-ahead for the next step's
-tokens and group padding. Jobs take free page sets only (never reclaiming), are dropped
-when their slot changed owner since they were queued, and run on the background mapper's
-thread (mapper.py) or, without one, inline. The caller holds the cache's lock."""
+tokens, group padding, and pre-mapped idle slots for the next admissions. Jobs take free page
+sets only (never reclaiming), are dropped when their slot changed owner since they were
+queued, and run on the background mapper's thread (mapper.py) or, without one, inline. The
+caller holds the cache's lock."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ class MapAhead:
     def __init__(self, table: SlotTable) -> None:
         self.table = table
         self.geometry, self.config = table.geometry, table.config
+        # pre-mapping keeps at most this many sets (kept pages of every kind counted), the pool
+        # asked for at construction: an idle cache holds no more than that or its running peak
+        self.premap_limit = 0
 
     def look_ahead(self, seqs: Sequence[SlotSeq]) -> list[MapJob]:
         """Back each sequence max(1, eager_steps) tokens past what it holds now."""
@@ -53,16 +57,30 @@ class MapAhead:
                         jobs.append(MapJob(slot.index, slot.generation, target, group_pad=True))
         return jobs
 
+    def premap(self, target_tokens: int) -> list[MapJob]:
+        """Jobs backing up to config.premap_slots idle slots for a prompt of target_tokens: the
+        slots the next admissions pick (SlotTable.pick: enough kept pages, else the most), so
+        they map nothing on the step thread. Their pages are kept pages: reclaimable at once."""
+        table, want = self.table, self.geometry.pages_for(target_tokens)
+        private = [s for s in table.idle() if table.usable(s) == len(s.sets)]
+        chosen = sorted(private, key=lambda s: (-len(s.sets), s.index))[: self.config.premap_slots]
+        return [MapJob(s.index, s.generation, target_tokens, idle=True) for s in chosen if len(s.sets) < want]
+
     def run(self, job: MapJob, background: bool) -> None:
         """Back job.target_tokens of the slot from free pages only."""
         table, events = self.table, self.table.mapping.events
         slot = table.slots[job.slot]
-        if slot.generation != job.generation or slot.seq_id is None:
+        if slot.generation != job.generation or (slot.seq_id is None) != job.idle:
             return  # freed or reassigned since the job was queued
         want = self.geometry.pages_for(job.target_tokens) - len(slot.sets)
         if want <= 0:
             return
-        if want > table.pool.free_count:
+        pool = table.pool
+        if job.idle:  # leave a free set for every running sequence's next page; stay under the limit
+            reserve = sum(1 for s in table.slots if s.seq_id is not None)
+            if want + reserve > pool.free_count or table.kept() + want > self.premap_limit:
+                return  # pre-mapping waits for memory
+        elif want > pool.free_count:
             events.ahead_skipped += 1
             return
         try:

@@ -13,7 +13,8 @@ The vAttention optimisations, each a VAttentionConfig switch:
   while this step computes, so grow() rarely maps on the critical path;
 - deferred_reclamation: a freed slot keeps its pages for the next sequence placed there;
   under pressure they are reclaimed (idle slots first) before memory is reported short;
-- eager_steps: map pages that many tokens beyond what the sequence needs now.
+- eager_steps: map pages that many tokens beyond what the sequence needs now;
+- premap_slots: the mapper keeps idle slots backed for the next admissions' prompts.
 
 Sharing: one physical page set may back the same pages of several slots (a fork's written
 pages, a prefix hit's cached chunks; prefix.py, sharing.py), counted per set in the pool. A
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import resource
 import threading
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -101,6 +103,14 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         self._kernels = decode_kernels(cfg.attention, self.device, shape, self._use_flash)
         self._closed = False
         self._mapper = BackgroundMapper(self._run_job) if cfg.background_mapping else None
+        # pre-mapped idle slots for admissions, sized by the longest of the recent prompts
+        self._premap = self._mapper is not None and cfg.deferred_reclamation and cfg.premap_slots > 0
+        self._prompts: deque[int] = deque(maxlen=16)
+        if self._premap:
+            with self._lock:
+                first = min(cfg.premap_tokens, max_len)
+                self._ahead.premap_limit = cfg.premap_slots * self.geometry.pages_for(first)
+                self._mapper.submit(self._ahead.premap(first))
         self._trimmer = None
         if cfg.kept_idle_seconds is not None or cfg.pressure_min_available > 0:
             interval = min(1.0, max(0.05, (cfg.kept_idle_seconds or 4.0) / 4))
@@ -128,6 +138,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             if seq_id in self.seqs:
                 raise ValueError(f"sequence {seq_id} is already in the cache")
             seq = SlotSeq(-1, len(token_ids))
+            self._prompts.append(len(token_ids))
             cached = 0
             if self.prefix is not None:
                 seq.token_ids, seq.identity = list(token_ids), (self.model_id, cache_salt)
@@ -245,6 +256,8 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             jobs = self._ahead.look_ahead(seqs)
             if padding and self._mapper is not None:
                 jobs += self._ahead.group_pad(batch, seqs, upcoming=1)
+            if self._premap:
+                jobs += self._ahead.premap(max(self._prompts, default=self.config.premap_tokens))
         plan = plan_step(
             batch,
             indices,

@@ -31,6 +31,12 @@ class VAttentionConfig:
     populate: bool = True  # pre-fault pages at map time (only for a driver this cache builds)
     max_padding: float = DEFAULT_MAX_PADDING
     group_pad_pages: int = 1  # pages a decode may get beyond its needs to join a batched call
+    # pre-mapped page sets for admissions: with the mapper and deferred reclamation on, the mapper
+    # keeps up to this many idle slots backed for the longest of the last prompts (premap_tokens
+    # before any), from free sets only, so an admission maps nothing on the step thread. Their
+    # pages count as kept: reclaimed at once when anything else needs them.
+    premap_slots: int = 16
+    premap_tokens: int = 256
     use_flash_attn: bool = True  # flash_attn_with_kvcache when importable and on a GPU
     # decode attention on the CPU: "cpu_kernel" (vmkv/decode_kernel.py, reads the slots in
     # place), "sdpa" (stock kernels, unmodified, on the virtual memory), or "auto": the kernel
@@ -50,6 +56,11 @@ class VAttentionConfig:
     def __post_init__(self) -> None:
         if self.eager_steps < 0:
             raise ValueError(f"eager_steps must be >= 0, got {self.eager_steps}")
+        if self.premap_slots < 0 or self.premap_tokens < 1:
+            raise ValueError(
+                f"premap_slots must be >= 0 and premap_tokens >= 1, "
+                f"got {self.premap_slots} and {self.premap_tokens}"
+            )
         if not 0 <= self.kept_watermark <= 1:
             raise ValueError(f"kept_watermark must be in [0, 1], got {self.kept_watermark}")
         if self.kept_idle_seconds is not None and self.kept_idle_seconds < 0:

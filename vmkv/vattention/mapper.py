@@ -19,6 +19,7 @@ class MapJob:
     generation: int
     target_tokens: int
     group_pad: bool = False  # surplus pages that let the slot join a batched decode call
+    idle: bool = False  # pre-mapping an idle slot for the next admission (its generation is the idle one)
 
 
 class BackgroundMapper:
