@@ -21,8 +21,10 @@ from vmkv.bench.capacity import KIB, MIB, CapacityScenario, measure_capacity
 from vmkv.bench.cli import add_bench_arguments, bench_main
 from vmkv.bench.kernels import (
     BLOCK_TABLE,
+    DOES_NOT_RUN,
     GATHER,
     NOT_INSTALLED,
+    PACKED,
     PAGED,
     UNMODIFIED,
     VIRTUAL,
@@ -295,6 +297,10 @@ def test_kernel_matrix_on_a_tiny_shape() -> None:
     assert math_virtual.status == UNMODIFIED and math_virtual.max_error < 1e-5
     assert set(math_virtual.times_ms) == keys and all(t > 0 for t in math_virtual.times_ms.values())
     assert matrix.cell("sdpa math", PAGED).status == GATHER
+    packed = matrix.cell("sdpa math", PACKED)  # one layer's views over tokens of 30 layers
+    assert packed.status == UNMODIFIED and packed.max_error < 1e-5 and set(packed.times_ms) == keys
+    # the paged torch path views its blocks as one contiguous pool: packed blocks are strided
+    assert matrix.cell("vmkv paged: gather + sdpa", PACKED).status == DOES_NOT_RUN
     for layout in (VIRTUAL, PAGED):
         cell = matrix.cell("vmkv paged: gather + sdpa", layout)
         assert cell.status == BLOCK_TABLE and cell.max_error < 1e-5 and set(cell.times_ms) == keys

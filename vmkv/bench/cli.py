@@ -342,7 +342,7 @@ def model_shapes(model_path: Path, dtype: torch.dtype, block_size: int) -> tuple
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     return (
         KVShape(hf.num_hidden_layers, kv_heads, head_dim, dtype),
-        AttentionShape(hf.num_attention_heads, kv_heads, head_dim, dtype, block_size),
+        AttentionShape(hf.num_attention_heads, kv_heads, head_dim, dtype, block_size, hf.num_hidden_layers),
     )
 
 

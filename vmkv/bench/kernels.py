@@ -1,9 +1,12 @@
 """Kernel-compatibility matrix: which attention kernels read which KV layout, how exactly, how fast.
 
-Two layouts hold the same K/V:
-- virtual contiguous (the vattention idea): per sequence a contiguous [len, Hkv, D] run
-  of a [slots, max_len, Hkv, D] tensor in reserved virtual memory, pages mapped only
-  where tokens are; kernels get strided views of it;
+Three layouts hold the same K/V:
+- virtual contiguous (the vattention idea, per-layer orders): per sequence a contiguous
+  [len, Hkv, D] run of a [slots, max_len, Hkv, D] tensor in reserved virtual memory, pages
+  mapped only where tokens are; kernels get strided views of it;
+- virtual layer-packed (vattention's default order): one region per sequence holding every
+  layer's K and V per token, [slots, max_len, layers, 2, Hkv, D]; kernels get one layer's K
+  and V as strided views whose token stride is layers * 2 rows;
 - paged: blocks [num_blocks, block_size, Hkv, D] in one tensor, scattered, read through
   per-sequence block tables.
 
@@ -42,8 +45,9 @@ NOT_INSTALLED = "not installed"
 WRONG_RESULT = "wrong result"
 
 VIRTUAL = "virtual contiguous"
+PACKED = "virtual layer-packed"
 PAGED = "paged"
-LAYOUTS = (VIRTUAL, PAGED)
+LAYOUTS = (VIRTUAL, PACKED, PAGED)
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class AttentionShape:
     head_dim: int = 64
     dtype: torch.dtype = torch.bfloat16
     block_size: int = 16
+    num_layers: int = 30  # the layer-packed layout's token holds every layer's K and V
 
     def __post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:
@@ -149,6 +154,54 @@ class VirtualLayout:
             self.blocks.append(flat.view(-1, shape.block_size, h, d))
         blocks_per_slot = self.slot_bytes // (shape.block_size * tb)
         width = -(-context // shape.block_size)
+        tables = torch.arange(width) + blocks_per_slot * torch.arange(batch)[:, None]
+        self.tables = tables.to(torch.int32).to(case.k.device)
+
+    def close(self) -> None:
+        self.views, self.blocks = [], []
+        self.driver.close()
+
+
+class PackedLayout:
+    """One layer's K and V inside layer-packed slots [B, max_len, layers, 2, Hkv, D] over reserved
+    virtual memory, mapped for L tokens per slot (every layer's rows: they interleave on every
+    page). The views are layer 0's; every layer's have the same strides. Paged kernels read it
+    through an identity block table over blocks with the same strides."""
+
+    def __init__(
+        self,
+        case: DecodeCase,
+        shape: AttentionShape,
+        max_len: int,
+        driver: Callable[[int], MemoryDriver],
+        page_size: int,
+    ) -> None:
+        batch, context = case.k.shape[:2]
+        row = shape.token_bytes
+        tb = 2 * shape.num_layers * row  # a packed token
+        self.slot_bytes = _round_up(max_len * tb, math.lcm(page_size, shape.block_size * tb))
+        pages_per_slot = -(-context * tb // page_size)
+        self.driver = driver(batch * pages_per_slot)
+        res = self.driver.reserve(batch * self.slot_bytes)
+        for b in range(batch):
+            self.driver.map(res, b * self.slot_bytes, self.driver.alloc(pages_per_slot))
+        itemsize = torch.empty((), dtype=shape.dtype).element_size()
+        slot_elems, token_elems, row_elems = self.slot_bytes // itemsize, tb // itemsize, row // itemsize
+        flat = self.driver.view(res, shape.dtype, [batch * slot_elems])
+        h, d, bs = shape.num_kv_heads, shape.head_dim, shape.block_size
+        self.views: list[torch.Tensor] = []
+        self.blocks: list[torch.Tensor] = []
+        num_blocks = batch * self.slot_bytes // (bs * tb)
+        for t, source in enumerate((case.k, case.v)):
+            start = flat[t * row_elems :]  # V is the row after K in every token
+            view = start.as_strided((batch, self.slot_bytes // tb, h, d), (slot_elems, token_elems, d, 1))
+            view[:, :context] = source
+            self.views.append(view)
+            self.blocks.append(
+                start.as_strided((num_blocks, bs, h, d), (bs * token_elems, token_elems, d, 1))
+            )
+        blocks_per_slot = self.slot_bytes // (bs * tb)
+        width = -(-context // bs)
         tables = torch.arange(width) + blocks_per_slot * torch.arange(batch)[:, None]
         self.tables = tables.to(torch.int32).to(case.k.device)
 
@@ -396,16 +449,17 @@ def time_call(
 
 
 def _plan_call(
-    kernel: Kernel, layout: str, case: DecodeCase, virtual: VirtualLayout, paged: PagedLayout
+    kernel: Kernel, layout: str, case: DecodeCase, virtual: VirtualLayout | PackedLayout, paged: PagedLayout
 ) -> tuple[str, Callable[[], torch.Tensor] | None]:
-    """How `kernel` runs on `layout` for this case: (status, zero-argument call or None)."""
+    """How `kernel` runs on `layout` for this case: (status, zero-argument call or None).
+    virtual: the layout's virtual memory (contiguous or layer-packed) unless layout is PAGED."""
     q, lens, scale = case.q, case.lens, case.scale
     context = case.k.shape[1]
     if kernel.in_place is not None:
-        if layout == VIRTUAL:
+        if layout != PAGED:
             return IN_PLACE, kernel.in_place(q, *virtual.views, None, lens, scale)
         return BLOCK_TABLE, kernel.in_place(q, *paged.blocks, paged.tables, lens, scale)
-    if layout == VIRTUAL:
+    if layout != PAGED:
         if kernel.dense is not None:
             k, v = virtual.views
             return UNMODIFIED, lambda: kernel.dense(q, k, v, lens, scale)
@@ -463,7 +517,9 @@ def kernel_matrix(
                 progress(cell_key(batch, context))
             case = DecodeCase.random(shape, batch, context, device, seed)
             virtual = VirtualLayout(case, shape, max_len, driver, page_size)
+            packed = PackedLayout(case, shape, max_len, driver, page_size)
             paged = PagedLayout(case, shape, seed)
+            dense = {VIRTUAL: virtual, PACKED: packed, PAGED: virtual}
             try:
                 for kernel in kernels:
                     if kernel.missing:
@@ -474,7 +530,7 @@ def kernel_matrix(
                             kernel,
                             layout,
                             case,
-                            virtual,
+                            dense[layout],
                             paged,
                             device,
                             cell_key(batch, context),
@@ -482,6 +538,7 @@ def kernel_matrix(
                         )
             finally:
                 virtual.close()
+                packed.close()
     return KernelMatrix(shape, str(device), list(contexts), list(batches), list(cells.values()))
 
 
@@ -490,7 +547,7 @@ def _run_cell(
     kernel: Kernel,
     layout: str,
     case: DecodeCase,
-    virtual: VirtualLayout,
+    virtual: VirtualLayout | PackedLayout,
     paged: PagedLayout,
     device: torch.device,
     key: str,
