@@ -37,7 +37,9 @@ import httpx
 HERE = Path(__file__).resolve().parent
 PEER_VERSION = "0.32.0"
 PEER_TARGETS = ("vllm",)
-VMKV_TARGETS = ("vattention", "paged", "vattention-thread", "paged-thread")
+# a KV mode, then "-thread" (engine on the server's thread) and/or "-compiled" (`--compile`)
+VMKV_SUFFIXES = ("", "-thread", "-compiled", "-thread-compiled")
+VMKV_TARGETS = tuple(f"{mode}{suffix}" for mode in ("vattention", "paged") for suffix in VMKV_SUFFIXES)
 START_TIMEOUT_SECONDS = 900  # vLLM compiles its model with inductor on first start
 METRICS = (
     "output_throughput",
@@ -69,7 +71,7 @@ def main() -> None:
             write_results(args.out, runs)
         if args.offline:
             for target, dtype in targets:
-                if target in ("vattention", "paged"):
+                if target in ("vattention", "paged", "vattention-compiled", "paged-compiled"):
                     runs.append(offline_run(args, model, target, dtype, round_index))
                     write_results(args.out, runs)
     table = markdown(runs)
@@ -184,7 +186,7 @@ def server_command(
             str(port),
         ]
         return command, env
-    kv_mode, _, engine = target.partition("-")
+    kv_mode, *options = target.split("-")
     command = [
         sys.executable,
         "-m",
@@ -209,8 +211,10 @@ def server_command(
         "--log-level",
         "warning",
     ]
-    if engine == "thread":
+    if "thread" in options:
         command.append("--no-engine-process")
+    if "compiled" in options:
+        command.append("--compile")
     command += args.vmkv_args.split()
     return command, env
 
@@ -353,11 +357,12 @@ def client_run(
 
 def offline_run(args: argparse.Namespace, model: str, target: str, dtype: str, round_index: int) -> dict:
     """The same workload through LLM.generate in a fresh process (random token ids, ignore_eos)."""
+    kv_mode, compiled = target.split("-")[0], target.endswith("-compiled")
     code = f"""
 import json, random, time
 from vmkv import LLM, SamplingParams
-llm = LLM({model!r}, kv_mode={target!r}, dtype={dtype!r}, kv_budget_bytes={args.kv_budget_mib} << 20,
-          max_model_len={args.max_model_len})
+llm = LLM({model!r}, kv_mode={kv_mode!r}, dtype={dtype!r}, kv_budget_bytes={args.kv_budget_mib} << 20,
+          max_model_len={args.max_model_len}, compile_model={compiled!r})
 rng = random.Random({round_index})
 vocab = llm.engine.info.vocab_size
 prompts = [[rng.randrange(1000, vocab) for _ in range({args.input_len})] for _ in range({args.num_prompts})]
