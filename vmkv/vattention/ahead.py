@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from vmkv.dense.plan import group_decodes
 from vmkv.kv_cache import OutOfKVMemory, StepBatch
 from vmkv.vattention.mapper import MapJob
+from vmkv.vattention.mapping import Slot
 from vmkv.vattention.slots import SlotSeq, SlotTable
 
 
@@ -18,8 +19,9 @@ class MapAhead:
     def __init__(self, table: SlotTable) -> None:
         self.table = table
         self.geometry, self.config = table.geometry, table.config
-        # pre-mapping keeps at most this many sets (kept pages of every kind counted), the pool
-        # asked for at construction: an idle cache holds no more than that or its running peak
+        # pre-mapping goes on while the kept sets (of every kind) stay within this many, the pool
+        # asked for at construction, or the held ones within the most held at once so far: an
+        # idle cache holds no more than the larger of the two
         self.premap_limit = 0
 
     def look_ahead(self, seqs: Sequence[SlotSeq]) -> list[MapJob]:
@@ -61,10 +63,14 @@ class MapAhead:
         """Jobs backing up to config.premap_slots idle slots for a prompt of target_tokens: the
         slots the next admissions pick (SlotTable.pick: enough kept pages, else the most), so
         they map nothing on the step thread. Their pages are kept pages: reclaimable at once."""
-        table, want = self.table, self.geometry.pages_for(target_tokens)
-        private = [s for s in table.idle() if table.usable(s) == len(s.sets)]
-        chosen = sorted(private, key=lambda s: (-len(s.sets), s.index))[: self.config.premap_slots]
+        want = self.geometry.pages_for(target_tokens)
+        by_pages = sorted(self._private_idle(), key=lambda s: (-len(s.sets), s.index))
+        chosen = by_pages[: self.config.premap_slots]
         return [MapJob(s.index, s.generation, target_tokens, idle=True) for s in chosen if len(s.sets) < want]
+
+    def _private_idle(self) -> list[Slot]:
+        """Idle slots whose kept pages a new sequence may write (none shared)."""
+        return [s for s in self.table.idle() if self.table.usable(s) == len(s.sets)]
 
     def run(self, job: MapJob, background: bool) -> None:
         """Back job.target_tokens of the slot from free pages only."""
@@ -78,7 +84,9 @@ class MapAhead:
         pool = table.pool
         if job.idle:  # leave a free set for every running sequence's next page; stay under the limit
             reserve = sum(1 for s in table.slots if s.seq_id is not None)
-            if want + reserve > pool.free_count or table.kept() + want > self.premap_limit:
+            held = pool.num_sets - pool.free_count
+            within = table.kept() + want <= self.premap_limit or held + want <= pool.peak_held
+            if want + reserve > pool.free_count or not within:
                 return  # pre-mapping waits for memory
         elif want > pool.free_count:
             events.ahead_skipped += 1

@@ -186,6 +186,11 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
                 # the slot's next sequence maps them only on a prefix hit (SlotTable.usable)
                 self.table.release(self.table.slots[seq.slot], keep_pages=self.config.deferred_reclamation)
             del self.seqs[seq_id]
+            # a slot fell idle: back it for the next prompt now, not at the next step's prepare(),
+            # which comes after that step's admissions
+            jobs = self._ahead.premap(self._premap_tokens()) if self._premap else []
+        if jobs:
+            self._mapper.submit(jobs)
 
     def free_capacity(self) -> int:
         geo = self.geometry
@@ -257,7 +262,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             if padding and self._mapper is not None:
                 jobs += self._ahead.group_pad(batch, seqs, upcoming=1)
             if self._premap:
-                jobs += self._ahead.premap(max(self._prompts, default=self.config.premap_tokens))
+                jobs += self._ahead.premap(self._premap_tokens())
         plan = plan_step(
             batch,
             indices,
@@ -272,6 +277,10 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             self._mapper.submit(jobs)
         self.mapping.events.minor_faults += _minor_faults() - faults
         return plan
+
+    def _premap_tokens(self) -> int:
+        """The size idle slots are pre-mapped for: the longest recent prompt."""
+        return max(self._prompts, default=min(self.config.premap_tokens, self.max_len))
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DenseSlotPlan, scale: float
