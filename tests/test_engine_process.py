@@ -194,6 +194,7 @@ def vmkv_serve(model_dir: Path, *flags: str) -> Iterator[tuple[subprocess.Popen,
     # one torch thread: the server, its engine and this client share the cores, and a parallel
     # region waits for whichever of its threads another process has descheduled
     command += ["--dtype", "float32", "--kv-budget-mib", "8", "--num-threads", "1", "--log-level", "warning"]
+    command += ["--no-compile"]  # what these tests check does not depend on it; compiling takes a minute
     command += flags
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"

@@ -213,8 +213,7 @@ def server_command(
     ]
     if "thread" in options:
         command.append("--no-engine-process")
-    if "compiled" in options:
-        command.append("--compile")
+    command.append("--compile" if "compiled" in options else "--no-compile")
     command += args.vmkv_args.split()
     return command, env
 

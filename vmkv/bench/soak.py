@@ -39,7 +39,10 @@ class SoakConfig:
     max_prompt_tokens: int = 120
     seed: int = 0
     sample_every: float = 1.0  # seconds between memory samples
-    server_args: tuple[str, ...] = ("--dtype", "float32", "--max-model-len", "256", "--kv-budget-mib", "16")
+    server_args: tuple[str, ...] = (
+        *("--dtype", "float32", "--max-model-len", "256", "--kv-budget-mib", "16"),
+        "--no-compile",  # leaks do not depend on it, and a run should not start with a minute's compile
+    )
 
 
 @dataclass

@@ -128,7 +128,8 @@ def add_engine_arguments(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=d.compile_model,
-        help="run the model under torch.compile, compiled once at start (default: off, see docs/engine.md)",
+        help="run the model under torch.compile, compiled once at start (default: on for `vmkv serve` "
+        "without tensor parallelism, off elsewhere; docs/engine.md)",
     )
     add(
         "tensor_parallel_size",
