@@ -15,7 +15,7 @@ from vmkv.drivers import HostDriver
 
 from vmkv import LLM, SamplingParams, prefix_cache
 from vmkv.engine import kv_factory
-from vmkv.kv_cache import KVShape, SeqStep, StepBatch
+from vmkv.kv_cache import KVShape, OutOfKVMemory, SeqStep, StepBatch
 from vmkv.vattention import VAttentionKVCache
 from vmkv.vattention import cache as vattention_cache
 from vmkv.vattention.geometry import SlotGeometry
@@ -231,6 +231,45 @@ def test_a_packed_hit_ending_mid_token_reuses_whole_tokens_and_copies_the_last_p
     run(1, 42, 60, seed=1)
     for x, y in zip(kv(0, 80), before, strict=True):  # the original is untouched
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+    cache.close()
+
+
+def test_every_page_counted_available_can_be_reclaimed_after_a_packed_hit() -> None:
+    """A hit that copied its last page on write leaves that chunk's first pages mapped by the new
+    sequence and its last page held by the index alone. The cache counts that page available,
+    so filling the cache must be able to evict the chunk for it: admissions succeed until
+    OutOfKVMemory, never with the pool short of what was promised (it raised ValueError)."""
+    shape = KVShape(num_layers=3, num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    cache = VAttentionKVCache(
+        shape,
+        128,
+        32 * PAGE,
+        page_size=PAGE,
+        order="packed",
+        background_mapping=False,
+        prefix_caching=True,
+        kept_idle_seconds=None,
+        pressure_min_available=0.0,
+        model_id="m",
+    )
+    prompt = list(range(1, 81))
+    cache.admit(0, prompt)
+    plan = cache.prepare(StepBatch.build([SeqStep(0, 0, 80)]))
+    for layer in range(shape.num_layers):
+        cache.attend(
+            layer, torch.zeros(80, 2, 16), torch.zeros(80, 1, 16), torch.zeros(80, 1, 16), plan, 0.25
+        )
+    cache.finish_step(plan)
+    assert cache.admit(1, prompt[:50] + [999] * 10) == 42  # page 3 copied on write
+    cache.free(0)  # its slot keeps its pages; the chunks stay indexed
+    promised = cache.table.available()
+    taken, seq_id = 0, 2
+    with pytest.raises(OutOfKVMemory):
+        while True:
+            cache.admit(seq_id, [seq_id * 1000 + i for i in range(10)])  # one page each, no hit
+            taken += 1
+            seq_id += 1
+    assert taken == promised  # every page promised was found, the chunk's last one included
     cache.close()
 
 

@@ -18,7 +18,11 @@ Invariants, under the cache's lock:
   number of slots mapping s plus one while s is indexed;
 - only chunks wholly below a sequence's written tokens are indexed, and a sequence only ever
   writes at or beyond its written tokens, so a cached page is never written;
-- a chunk is evictable exactly when the index is its only holder (refcount one).
+- a chunk is evictable when the index is the only holder of at least one of its sets: a hit
+  that copied its last page on write leaves the chunk's first sets mapped by the sequence and
+  its last set held by the index alone. Evicting such a chunk frees that set and leaves the
+  sequence's mappings as they are. The cache counts every set no slot maps as available
+  (SlotTable.available), so reclaiming must be able to free each of them.
 """
 
 from __future__ import annotations
@@ -150,7 +154,8 @@ class PrefixIndex:
         now = time.monotonic()
         for chunk in reversed(chunks):
             chunk.last_used = now
-            self.chunks.move_to_end(chunk.block_hash)
+            if self.chunks.get(chunk.block_hash) is chunk:  # a placement's own reclaim may evict a hit
+                self.chunks.move_to_end(chunk.block_hash)
 
     def held_by(self, hashes: Sequence[int], keys: Sequence[BlockKey]) -> list[CachedChunk]:
         """The indexed chunks whose key a sequence holds (it computed or hit them)."""
@@ -162,11 +167,13 @@ class PrefixIndex:
         return out
 
     def evictable(self, chunk: CachedChunk) -> bool:
-        return self.pool.refcount[chunk.sets[0]] == 1
+        """Whether evicting the chunk frees a set (see the invariants above)."""
+        return any(self.pool.refcount[s] == 1 for s in chunk.sets)
 
     def evict(self, n: int, idle_before: float | None = None) -> list[int]:
         """Give up least recently used evictable chunks until n sets are free (or, with
-        idle_before, only chunks unused since then); returns the sets freed."""
+        idle_before, only chunks unused since then); returns the sets freed (a set some slot
+        still maps stays with it and is not counted)."""
         freed: list[int] = []
         for chunk in list(self.chunks.values()):
             if len(freed) >= n:
@@ -178,7 +185,7 @@ class PrefixIndex:
                 for s in chunk.sets:
                     self.pool.release(s)
                 self.events.prefix_cache_evictions += 1
-                freed += chunk.sets
+                freed += [s for s in chunk.sets if self.pool.refcount[s] == 0]
         return freed
 
     def clear(self) -> None:
