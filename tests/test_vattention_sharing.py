@@ -189,13 +189,13 @@ def test_chunk_granularity_at_the_default_page_size(order: str, pages: int, toke
     assert pages * geo.page_size // geo.column_token_bytes == tokens
 
 
-def test_a_packed_hit_ending_mid_token_reuses_whole_tokens_and_copies_the_last_page() -> None:
-    """384 B packed tokens (3 layers, one 16-wide head, fp32): 10.67 a 4 KiB page, a chunk is 2
-    pages whose key covers the token straddling its end; a hit on two chunks reuses the 42
-    tokens wholly inside them and copies page 3, where token 42 is rewritten."""
-    shape = KVShape(num_layers=3, num_kv_heads=1, head_dim=16, dtype=torch.float32)
-    cache = VAttentionKVCache(
-        shape,
+PACKED_SHAPE = KVShape(num_layers=3, num_kv_heads=1, head_dim=16, dtype=torch.float32)  # 384 B a token
+
+
+def make_packed_cache() -> VAttentionKVCache:
+    """Layer-packed, 32 pages: 10.67 tokens a page, so chunks (2 pages) end mid-token."""
+    return VAttentionKVCache(
+        PACKED_SHAPE,
         128,
         32 * PAGE,
         page_size=PAGE,
@@ -206,29 +206,38 @@ def test_a_packed_hit_ending_mid_token_reuses_whole_tokens_and_copies_the_last_p
         pressure_min_available=0.0,
         model_id="m",
     )
-    assert (cache.prefix.pages, cache.prefix.end(0), cache.prefix.whole(2)) == (2, 22, 42)
 
-    def run(seq_id: int, start: int, end: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        plan = cache.prepare(StepBatch.build([SeqStep(seq_id, start, end - start)]))
-        for layer in range(shape.num_layers):
-            k, v = (torch.randn(end - start, 1, 16, generator=gen) for _ in range(2))
-            cache.attend(layer, torch.randn(end - start, 2, 16, generator=gen), k, v, plan, 0.25)
-        cache.finish_step(plan)
+
+def compute_packed(cache: VAttentionKVCache, seq_id: int, start: int, end: int, seed: int) -> None:
+    """One step writing random K/V for tokens start..end-1 of a make_packed_cache sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    plan = cache.prepare(StepBatch.build([SeqStep(seq_id, start, end - start)]))
+    for layer in range(PACKED_SHAPE.num_layers):
+        k, v = (torch.randn(end - start, 1, 16, generator=gen) for _ in range(2))
+        cache.attend(layer, torch.randn(end - start, 2, 16, generator=gen), k, v, plan, 0.25)
+    cache.finish_step(plan)
+
+
+def test_a_packed_hit_ending_mid_token_reuses_whole_tokens_and_copies_the_last_page() -> None:
+    """384 B packed tokens (3 layers, one 16-wide head, fp32): 10.67 a 4 KiB page, a chunk is 2
+    pages whose key covers the token straddling its end; a hit on two chunks reuses the 42
+    tokens wholly inside them and copies page 3, where token 42 is rewritten."""
+    cache = make_packed_cache()
+    assert (cache.prefix.pages, cache.prefix.end(0), cache.prefix.whole(2)) == (2, 22, 42)
 
     def kv(seq_id: int, n: int) -> list[torch.Tensor]:
         return [view[cache.seqs[seq_id].slot, :n].clone() for view in cache.mapping.tensors()]
 
     prompt = list(range(1, 81))
     cache.admit(0, prompt)
-    run(0, 0, 80, seed=0)
+    compute_packed(cache, 0, 0, 80, seed=0)
     before = kv(0, 80)
     assert cache.admit(1, prompt[:50] + [999] * 10) == 42
     a, b = (cache.table.slots[cache.seqs[i].slot].sets for i in (0, 1))
     assert a[:3] == b[:3] and a[3] != b[3] and cache.stats().cow_copies == 1
     for x, y in zip(kv(1, 42), before, strict=True):
         torch.testing.assert_close(x, y[:42], rtol=0, atol=0)
-    run(1, 42, 60, seed=1)
+    compute_packed(cache, 1, 42, 60, seed=1)
     for x, y in zip(kv(0, 80), before, strict=True):  # the original is untouched
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     cache.close()
@@ -239,27 +248,10 @@ def test_every_page_counted_available_can_be_reclaimed_after_a_packed_hit() -> N
     sequence and its last page held by the index alone. The cache counts that page available,
     so filling the cache must be able to evict the chunk for it: admissions succeed until
     OutOfKVMemory, never with the pool short of what was promised (it raised ValueError)."""
-    shape = KVShape(num_layers=3, num_kv_heads=1, head_dim=16, dtype=torch.float32)
-    cache = VAttentionKVCache(
-        shape,
-        128,
-        32 * PAGE,
-        page_size=PAGE,
-        order="packed",
-        background_mapping=False,
-        prefix_caching=True,
-        kept_idle_seconds=None,
-        pressure_min_available=0.0,
-        model_id="m",
-    )
+    cache = make_packed_cache()
     prompt = list(range(1, 81))
     cache.admit(0, prompt)
-    plan = cache.prepare(StepBatch.build([SeqStep(0, 0, 80)]))
-    for layer in range(shape.num_layers):
-        cache.attend(
-            layer, torch.zeros(80, 2, 16), torch.zeros(80, 1, 16), torch.zeros(80, 1, 16), plan, 0.25
-        )
-    cache.finish_step(plan)
+    compute_packed(cache, 0, 0, 80, seed=0)
     assert cache.admit(1, prompt[:50] + [999] * 10) == 42  # page 3 copied on write
     cache.free(0)  # its slot keeps its pages; the chunks stay indexed
     promised = cache.table.available()
