@@ -34,7 +34,6 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +142,9 @@ TORCH_LIBRARY_IMPL(vmkv, CompositeExplicitAutograd, m) { m.impl("packed_linear",
 """.replace("SCHEMA", SCHEMA)
 
 
+_LIBRARIES: list[torch.library.Library] = []
+
+
 @cache
 def register() -> bool:
     """Define `vmkv::packed_linear`, once per process; True if the C++ kernel backs it, False
@@ -155,9 +157,6 @@ def register() -> bool:
         _LIBRARIES.append(library)  # the registration lives as long as the Library object
     torch.library.register_fake("vmkv::packed_linear")(_fake)
     return native
-
-
-_LIBRARIES: list[torch.library.Library] = []
 
 
 def _onednn_linear(
@@ -183,6 +182,8 @@ def _load_native() -> bool:
 
 
 def _compile_command(source: Path, target: Path) -> list[str]:
+    from torch.utils import cpp_extension  # ~120 ms to import; only a build needs it
+
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
         raise FileNotFoundError("no C++ compiler found (install one or set CXX)")
