@@ -307,8 +307,8 @@ def test_background_mapper_maps_next_step_off_the_critical_path() -> None:
 
 
 def test_mapper_premaps_idle_slots_so_an_admission_maps_nothing_on_the_step_thread() -> None:
-    # packed pages hold 8 tokens here: four idle slots of 5 pages
-    cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=40)
+    # packed pages hold 8 tokens here: four idle slots of 5 pages fill the reserve (20 of 32 sets)
+    cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=40, premap_fraction=0.625)
     cache.wait_mapper()
     assert [len(s.sets) for s in cache.table.slots if s.sets] == [5] * 4
     stats = cache.stats()
@@ -317,16 +317,33 @@ def test_mapper_premaps_idle_slots_so_an_admission_maps_nothing_on_the_step_thre
     cache.admit(1, [0] * 37)
     assert cache.stats().map_calls_critical == 0 and cache.stats().page_sets_reused == 5
     write(cache, [SeqStep(1, 0, 37)], {1: 1.0})
-    cache.wait_mapper()  # the step's prepare() backed another idle slot: 20 kept sets again
-    assert [len(s.sets) for s in cache.table.idle() if s.sets] == [5] * 4
+    cache.wait_mapper()  # one admission a step now: the three pre-mapped slots left suffice
+    assert [len(s.sets) for s in cache.table.idle() if s.sets] == [5] * 3
     cache.admit(2, [0] * 40)
     assert cache.stats().map_calls_critical == 0 and cache.stats().page_sets_reused == 10
     check_invariants(cache, strict=False)
     cache.close()
 
 
+def test_the_premapped_reserve_stays_within_its_share_and_goes_when_the_cache_is_quiet() -> None:
+    # 1/16 of 32 sets: one slot of 2 pages (16 tokens), not the 16 slots asked for
+    cache = make_cache(num_sets=32, order="packed", premap_tokens=16, kept_idle_seconds=3600)
+    cache.wait_mapper()
+    assert cache.table.reserve() == 2 and cache.peaks.reserve == 2
+    cache.admit(1, [0] * 12)
+    write(cache, [SeqStep(1, 0, 12)], {1: 1.0})
+    cache.free(1)
+    cache.wait_mapper()
+    assert cache.table.reserve() <= 2 and cache.peaks.backing == 2
+    assert cache.trim() == 0  # admitted just now
+    cache._last_admit -= 7200
+    assert cache.trim() == 2 and cache.table.reserve() == 0
+    check_invariants(cache, strict=True)
+    cache.close()
+
+
 def test_premapped_pages_give_way_to_a_sequence_that_needs_them() -> None:
-    cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=40)
+    cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=40, premap_fraction=0.625)
     cache.wait_mapper()
     cache.admit(1, [0] * MAX_LEN)  # 25 pages: 12 free, the rest reclaimed from pre-mapped slots
     assert cache.slot_pages(1) == 25 and cache.stats().page_sets_reclaimed > 0

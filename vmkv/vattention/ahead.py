@@ -11,18 +11,19 @@ from collections.abc import Sequence
 from vmkv.dense.plan import group_decodes
 from vmkv.kv_cache import OutOfKVMemory, StepBatch
 from vmkv.vattention.mapper import MapJob
-from vmkv.vattention.mapping import Slot
 from vmkv.vattention.slots import SlotSeq, SlotTable
+
+# pages a pre-mapping job maps at once: 2 MiB at 64 KiB pages, about a millisecond of populating
+# under the cache lock, which an admission may be waiting for
+PREMAP_PIECE = 32
 
 
 class MapAhead:
     def __init__(self, table: SlotTable) -> None:
         self.table = table
         self.geometry, self.config = table.geometry, table.config
-        # pre-mapping goes on while the kept sets (of every kind) stay within this many, the pool
-        # asked for at construction, or the held ones within the most held at once so far: an
-        # idle cache holds no more than the larger of the two
-        self.premap_limit = 0
+        # the reserve (private idle slots' pages) stays within this many page sets
+        self.reserve_limit = int(self.config.premap_fraction * table.pool.num_sets)
 
     def look_ahead(self, seqs: Sequence[SlotSeq]) -> list[MapJob]:
         """Back each sequence max(1, eager_steps) tokens past what it holds now."""
@@ -59,18 +60,21 @@ class MapAhead:
                         jobs.append(MapJob(slot.index, slot.generation, target, group_pad=True))
         return jobs
 
-    def premap(self, target_tokens: int) -> list[MapJob]:
-        """Jobs backing up to config.premap_slots idle slots for a prompt of target_tokens: the
-        slots the next admissions pick (SlotTable.pick: enough kept pages, else the most), so
-        they map nothing on the step thread. Their pages are kept pages: reclaimable at once."""
+    def premap(self, target_tokens: int, slots: int) -> list[MapJob]:
+        """Jobs backing up to `slots` idle slots for a prompt of target_tokens, as many as fit
+        the reserve limit whole: the slots the next admissions pick (SlotTable.pick: enough kept
+        pages, else the most), so they map nothing on the step thread. Each slot is mapped in
+        pieces of PREMAP_PIECE pages, one job each, so the cache lock is free between them."""
         want = self.geometry.pages_for(target_tokens)
-        by_pages = sorted(self._private_idle(), key=lambda s: (-len(s.sets), s.index))
-        chosen = by_pages[: self.config.premap_slots]
-        return [MapJob(s.index, s.generation, target_tokens, idle=True) for s in chosen if len(s.sets) < want]
-
-    def _private_idle(self) -> list[Slot]:
-        """Idle slots whose kept pages a new sequence may write (none shared)."""
-        return [s for s in self.table.idle() if self.table.usable(s) == len(s.sets)]
+        fit = min(slots, self.reserve_limit // want)
+        private = [s for s in self.table.idle() if self.table.usable(s) == len(s.sets)]
+        chosen = sorted(private, key=lambda s: (-len(s.sets), s.index))[:fit]
+        jobs = []
+        for slot in (s for s in chosen if len(s.sets) < want):
+            pieces = range(len(slot.sets) + PREMAP_PIECE, want, PREMAP_PIECE)
+            targets = [self.geometry.tokens_backed(p) for p in pieces] + [target_tokens]
+            jobs += [MapJob(slot.index, slot.generation, t, idle=True) for t in targets]
+        return jobs
 
     def run(self, job: MapJob, background: bool) -> None:
         """Back job.target_tokens of the slot from free pages only."""
@@ -82,12 +86,8 @@ class MapAhead:
         if want <= 0:
             return
         pool = table.pool
-        if job.idle:  # leave a free set for every running sequence's next page; stay under the limit
-            reserve = sum(1 for s in table.slots if s.seq_id is not None)
-            held = pool.num_sets - pool.free_count
-            within = table.kept() + want <= self.premap_limit or held + want <= pool.peak_held
-            if want + reserve > pool.free_count or not within:
-                return  # pre-mapping waits for memory
+        if job.idle and not self._room_for_reserve(want):
+            return  # pre-mapping waits for memory
         elif want > pool.free_count:
             events.ahead_skipped += 1
             return
@@ -98,3 +98,23 @@ class MapAhead:
             return
         if job.group_pad:
             events.group_pad_page_sets += want
+
+    def _room_for_reserve(self, want: int) -> bool:
+        """Whether `want` more sets may join the reserve, making room when they can.
+
+        The reserve stays within reserve_limit; a free set stays for every running sequence's next
+        page; and the held sets stay within the most held so far (or the limit), so an idle cache
+        holds no more than its running peak. Within those, the reserve outranks the least recently
+        used cached chunks nobody maps: every admission draws on it, a chunk serves only a repeat
+        of its prefix. They are evicted for it."""
+        table, pool = self.table, self.table.pool
+        if table.reserve() + want > self.reserve_limit:
+            return False
+        running = sum(1 for s in table.slots if s.seq_id is not None)
+        held = pool.num_sets - pool.free_count
+        short = max(want + running - pool.free_count, held + want - max(pool.peak_held, self.reserve_limit))
+        if 0 < short <= (table.prefix.evictable_sets() if table.prefix is not None else 0):
+            table.prefix.evict(short)
+            held = pool.num_sets - pool.free_count
+        ceiling = max(pool.peak_held, self.reserve_limit)
+        return want + running <= pool.free_count and held + want <= ceiling

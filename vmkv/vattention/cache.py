@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import resource
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -48,7 +49,7 @@ from vmkv.vattention.kept import Trimmer, memory_pressure, trim
 from vmkv.vattention.mapper import BackgroundMapper, MapJob
 from vmkv.vattention.mapping import SlotMapping
 from vmkv.vattention.prefix import PrefixIndex
-from vmkv.vattention.report import kv_memory, kv_stats
+from vmkv.vattention.report import HeldPeaks, kv_memory, kv_stats
 from vmkv.vattention.sharing import place_with_hits
 from vmkv.vattention.slots import SlotSeq, SlotTable
 
@@ -103,14 +104,17 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         self._kernels = decode_kernels(cfg.attention, self.device, shape, self._use_flash)
         self._closed = False
         self._mapper = BackgroundMapper(self._run_job) if cfg.background_mapping else None
-        # pre-mapped idle slots for admissions, sized by the longest of the recent prompts
+        # pre-mapped idle slots for admissions (the reserve), sized by recent demand: the most
+        # prompt tokens an admission had to back itself, and the most admissions in one step
         self._premap = self._mapper is not None and cfg.deferred_reclamation and cfg.premap_slots > 0
-        self._prompts: deque[int] = deque(maxlen=16)
+        self._backed: deque[int] = deque(maxlen=16)
+        self._bursts: deque[int] = deque(maxlen=16)
+        self._admitted = 0  # since the last prepare()
+        self._last_admit = time.monotonic()
+        self.peaks = HeldPeaks()
         if self._premap:
             with self._lock:
-                first = min(cfg.premap_tokens, max_len)
-                self._ahead.premap_limit = cfg.premap_slots * self.geometry.pages_for(first)
-                self._mapper.submit(self._ahead.premap(first))
+                self._mapper.submit(self._ahead.premap(*self._premap_demand()))
         self._trimmer = None
         if cfg.kept_idle_seconds is not None or cfg.pressure_min_available > 0:
             interval = min(1.0, max(0.05, (cfg.kept_idle_seconds or 4.0) / 4))
@@ -138,7 +142,6 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             if seq_id in self.seqs:
                 raise ValueError(f"sequence {seq_id} is already in the cache")
             seq = SlotSeq(-1, len(token_ids))
-            self._prompts.append(len(token_ids))
             cached = 0
             if self.prefix is not None:
                 seq.token_ids, seq.identity = list(token_ids), (self.model_id, cache_salt)
@@ -152,6 +155,10 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
                 self.prefix.events.prefix_cache_queries += len(token_ids)
                 self.prefix.events.prefix_cache_hits += cached
             self.seqs[seq_id] = seq
+            self._backed.append(len(token_ids) - cached)
+            self._admitted += 1
+            self._last_admit = time.monotonic()
+            self.peaks.observe(self.table)
         return cached
 
     def grow(self, seq_id: int, token_ids: Sequence[int]) -> None:
@@ -188,7 +195,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             del self.seqs[seq_id]
             # a slot fell idle: back it for the next prompt now, not at the next step's prepare(),
             # which comes after that step's admissions
-            jobs = self._ahead.premap(self._premap_tokens()) if self._premap else []
+            jobs = self._ahead.premap(*self._premap_demand()) if self._premap else []
         if jobs:
             self._mapper.submit(jobs)
 
@@ -261,8 +268,12 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             jobs = self._ahead.look_ahead(seqs)
             if padding and self._mapper is not None:
                 jobs += self._ahead.group_pad(batch, seqs, upcoming=1)
+            if self._admitted:
+                self._bursts.append(self._admitted)
+                self._admitted = 0
             if self._premap:
-                jobs += self._ahead.premap(self._premap_tokens())
+                jobs += self._ahead.premap(*self._premap_demand())
+            self.peaks.observe(self.table)
         plan = plan_step(
             batch,
             indices,
@@ -278,9 +289,14 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         self.mapping.events.minor_faults += _minor_faults() - faults
         return plan
 
-    def _premap_tokens(self) -> int:
-        """The size idle slots are pre-mapped for: the longest recent prompt."""
-        return max(self._prompts, default=min(self.config.premap_tokens, self.max_len))
+    def _premap_demand(self) -> tuple[int, int]:
+        """Tokens and count of the idle slots to pre-map: the most prompt tokens a recent
+        admission backed itself (a prefix hit backs only its uncached part) and the most
+        admissions in one recent step."""
+        cfg = self.config
+        tokens = max(self._backed, default=min(cfg.premap_tokens, self.max_len))
+        slots = min(cfg.premap_slots, max(self._bursts, default=cfg.premap_slots))
+        return max(1, tokens), slots
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DenseSlotPlan, scale: float
@@ -305,10 +321,15 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
 
     def trim(self, force: bool = False) -> int:
         """Apply the kept-pages policy now (kept.py): unmap kept sets beyond the watermark that
-        were idle for kept_idle_seconds (any, with force) and give unused memory back to the OS.
-        Returns the page sets unmapped. The trimmer thread calls it; so may an operator."""
+        were idle for kept_idle_seconds (any, with force), the pre-mapped reserve too once nothing
+        was admitted for that long and nothing runs (or with force), and give unused memory back
+        to the OS. Returns the page sets unmapped. The trimmer thread calls it; so may an operator."""
         with self._lock:
-            return 0 if self._closed else trim(self.table, force)
+            if self._closed:
+                return 0
+            quiet = self.config.kept_idle_seconds is not None and not self.seqs
+            quiet = quiet and time.monotonic() - self._last_admit > self.config.kept_idle_seconds
+            return trim(self.table, force, drop_reserve=force or quiet)
 
     def _trim_if_due(self) -> None:
         self.trim(force=memory_pressure(self.config.pressure_min_available))
@@ -343,6 +364,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         with self._lock:
             if not self._closed:
                 self._ahead.run(job, background=True)
+                self.peaks.observe(self.table)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -31,12 +31,17 @@ class VAttentionConfig:
     populate: bool = True  # pre-fault pages at map time (only for a driver this cache builds)
     max_padding: float = DEFAULT_MAX_PADDING
     group_pad_pages: int = 1  # pages a decode may get beyond its needs to join a batched call
-    # pre-mapped page sets for admissions: with the mapper and deferred reclamation on, the mapper
-    # keeps up to this many idle slots backed for the longest of the last prompts (premap_tokens
-    # before any), from free sets only, so an admission maps nothing on the step thread. Their
-    # pages count as kept: reclaimed at once when anything else needs them.
+    # pre-mapped idle slots for admissions (the reserve): with the mapper and deferred reclamation
+    # on, the mapper keeps idle slots backed for the longest part of the last prompts that
+    # admissions had to back themselves (premap_tokens before any), as many as the most admitted
+    # in one step lately (premap_slots before any, and at most), so an admission maps nothing on
+    # the step thread. The reserve holds at most premap_fraction of the page sets (whole slots
+    # only), is reclaimed at once when a sequence needs the memory, and is dropped after
+    # kept_idle_seconds without an admission. At 1/16 it pre-mapped 180 MiB -> 16 MiB in
+    # benchmarks/bench_sharing.py (fp32, 256 MiB budget; docs/vattention.md).
     premap_slots: int = 16
     premap_tokens: int = 256
+    premap_fraction: float = 1 / 16
     use_flash_attn: bool = True  # flash_attn_with_kvcache when importable and on a GPU
     # decode attention on the CPU: "cpu_kernel" (vmkv/decode_kernel.py, reads the slots in
     # place), "sdpa" (stock kernels, unmodified, on the virtual memory), or "auto": the kernel
@@ -61,6 +66,8 @@ class VAttentionConfig:
                 f"premap_slots must be >= 0 and premap_tokens >= 1, "
                 f"got {self.premap_slots} and {self.premap_tokens}"
             )
+        if not 0 <= self.premap_fraction <= 1:
+            raise ValueError(f"premap_fraction must be in [0, 1], got {self.premap_fraction}")
         if not 0 <= self.kept_watermark <= 1:
             raise ValueError(f"kept_watermark must be in [0, 1], got {self.kept_watermark}")
         if self.kept_idle_seconds is not None and self.kept_idle_seconds < 0:

@@ -18,18 +18,30 @@ from collections.abc import Callable
 from vmkv.vattention.slots import SlotTable
 
 
-def trim(table: SlotTable, force: bool) -> int:
+def trim(table: SlotTable, force: bool, drop_reserve: bool = False) -> int:
     """Unmap kept sets beyond the watermark that were idle for kept_idle_seconds (any, with
-    force), then give the memory of used sets free that long back to the OS; returns the sets
+    force), with drop_reserve the pre-mapped reserve first (SlotTable.reserve: the cache went
+    quiet), then give the memory of used sets free that long back to the OS; returns the sets
     unmapped. Sets just freed keep their memory: a busy cache takes them again soon."""
     cfg = table.config
     if not force and cfg.kept_idle_seconds is None:
         return 0
     idle_before = None if force else time.monotonic() - cfg.kept_idle_seconds
-    trimmed = _unmap_kept(table, int(cfg.kept_watermark * table.pool.num_sets), idle_before)
+    trimmed = _drop_reserve(table) if drop_reserve else []
+    trimmed += _unmap_kept(table, int(cfg.kept_watermark * table.pool.num_sets), idle_before)
     table.pool.backdate(trimmed)  # idle long while kept: their memory goes now too
     table.mapping.return_memory(idle_before)
     return len(trimmed)
+
+
+def _drop_reserve(table: SlotTable) -> list[int]:
+    """Unmap every private idle slot's pages; returns the sets."""
+    dropped: list[int] = []
+    for slot in table.private_idle():
+        dropped += slot.sets
+        table.mapping.drop_pages(slot, 0)
+    table.mapping.events.page_sets_trimmed += len(dropped)
+    return dropped
 
 
 def _unmap_kept(table: SlotTable, watermark_sets: int, idle_before: float | None) -> list[int]:

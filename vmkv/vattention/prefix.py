@@ -170,6 +170,10 @@ class PrefixIndex:
         """Whether evicting the chunk frees a set (see the invariants above)."""
         return any(self.pool.refcount[s] == 1 for s in chunk.sets)
 
+    def evictable_sets(self) -> int:
+        """Sets that evicting every evictable chunk would free."""
+        return sum(1 for chunk in self.chunks.values() for s in chunk.sets if self.pool.refcount[s] == 1)
+
     def evict(self, n: int, idle_before: float | None = None) -> list[int]:
         """Give up least recently used evictable chunks until n sets are free (or, with
         idle_before, only chunks unused since then); returns the sets freed (a set some slot

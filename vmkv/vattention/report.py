@@ -4,6 +4,7 @@ The caller holds the cache's lock."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from vmkv.kv_cache import KVMemory, KVShape, KVStats
 from vmkv.vattention.slots import SlotSeq, SlotTable
@@ -42,3 +43,19 @@ def kv_stats(table: SlotTable, pages_mapped: int, mapper_errors: int) -> KVStats
         **dataclasses.asdict(table.mapping.events),
         **prefix,
     )
+
+
+@dataclass
+class HeldPeaks:
+    """The most page sets held at once, split: those backing sequences (their pages and cached
+    chunks) and the reserve of pre-mapped idle slots (SlotTable.reserve). Each is its own
+    maximum, sampled at every admission, step and mapper job."""
+
+    backing: int = 0
+    reserve: int = 0
+
+    def observe(self, table: SlotTable) -> None:
+        reserve = table.reserve()
+        held = table.pool.num_sets - table.pool.free_count
+        self.backing = max(self.backing, held - reserve)
+        self.reserve = max(self.reserve, reserve)

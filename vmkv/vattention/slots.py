@@ -228,6 +228,15 @@ class SlotTable:
         cached chunks nobody maps. All of them can go back at once."""
         return self.pool.num_sets - self.pool.free_count - len(self.in_use())
 
+    def private_idle(self) -> list[Slot]:
+        """Idle slots whose kept pages a new sequence may write (none shared): the reserve."""
+        return [s for s in self.idle() if s.sets and self.usable(s)]
+
+    def reserve(self) -> int:
+        """Page sets mapped into private idle slots for the next admissions (pre-mapped, or a
+        finished sequence's pages kept by deferred reclamation): held, but backing no sequence."""
+        return sum(len(s.sets) for s in self.private_idle())
+
     def require(self, missing: int, exclude: Slot | list[Slot]) -> None:
         """Raise OutOfKVMemory, before any change, unless `missing` page sets can be found."""
         if missing > 0:
