@@ -399,3 +399,21 @@ def test_engine_outputs_under_preemption_are_identical_with_sharing_on_and_off(
         )
         llm.close()
     assert results[0] == results[1]
+
+
+def test_a_swapped_in_sequence_indexes_again_the_chunks_evicted_while_it_was_out() -> None:
+    cache = make_cache()
+    prompt = list(range(1, 81))
+    cache.admit(0, prompt)
+    compute(cache, 0, 0, 80, seed=0)
+    cache.swap_out([0])
+    assert cache.prefix.evict(8) and not cache.prefix.chunks  # memory pressure took them all
+    cache.swap_in([0])
+    cache.grow(0, [81])
+    compute(cache, 0, 80, 81, seed=1)
+    assert len(cache.prefix.chunks) == 2  # from its own, restored pages
+    assert cache.admit(1, prompt[:70]) == 64
+    torch.testing.assert_close(keys(cache, 1, 64), keys(cache, 0, 64), rtol=0, atol=0)
+    cache.free(0)
+    cache.free(1)
+    cache.close()

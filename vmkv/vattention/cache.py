@@ -233,6 +233,9 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         with self._lock:
             seqs = [self._get(i) for i in seq_ids]
             swap.swap_in(self.table, self.mapping, seq_ids, seqs, eager=self._mapper is None)
+            if self.prefix is not None:  # chunks evicted while it was out are indexed again
+                for seq in seqs:
+                    del seq.keys[self.prefix.still_indexed(seq.hashes, seq.keys) :]
 
     # -------------------------------------------------------------- a step
     def prepare(self, batch: StepBatch) -> DenseSlotPlan:

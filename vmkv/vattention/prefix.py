@@ -166,6 +166,17 @@ class PrefixIndex:
                 out.append(chunk)
         return out
 
+    def still_indexed(self, hashes: Sequence[int], keys: Sequence[BlockKey]) -> int:
+        """How many of a sequence's leading chunk keys the index still holds; a swapped-in
+        sequence keeps only those, so finish_step indexes the rest again from its own pages."""
+        n = 0
+        for block_hash, key in zip(hashes, keys, strict=False):
+            chunk = self.chunks.get(block_hash)
+            if chunk is None or chunk.key is not key:
+                break
+            n += 1
+        return n
+
     def evictable(self, chunk: CachedChunk) -> bool:
         """Whether evicting the chunk frees a set (see the invariants above)."""
         return any(self.pool.refcount[s] == 1 for s in chunk.sets)
