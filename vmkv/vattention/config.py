@@ -37,10 +37,12 @@ class VAttentionConfig:
     # in one step lately (premap_slots before any, and at most), so an admission maps nothing on
     # the step thread. The reserve holds at most premap_fraction of the page sets (whole slots
     # only), is reclaimed at once when a sequence needs the memory, and is dropped after
-    # kept_idle_seconds without an admission. At 1/16 it pre-mapped 180 MiB -> 16 MiB in
-    # benchmarks/bench_sharing.py (fp32, 256 MiB budget; docs/vattention.md).
+    # kept_idle_seconds without an admission. Measured (docs/vattention.md): in
+    # benchmarks/bench_sharing.py (fp32, 256 MiB) the old 16 slots x 256 tokens held 180 MiB, this
+    # bound 16 MiB; in vmkv bench's offline run (12 chat prompts at once, bf16, 512 MiB) 11 slots
+    # of 128 tokens left 2 of 56 map calls on the step thread (5 slots of 256 tokens: 7-8 of 126-144).
     premap_slots: int = 16
-    premap_tokens: int = 256
+    premap_tokens: int = 128
     premap_fraction: float = 1 / 16
     use_flash_attn: bool = True  # flash_attn_with_kvcache when importable and on a GPU
     # decode attention on the CPU: "cpu_kernel" (vmkv/decode_kernel.py, reads the slots in
