@@ -4,7 +4,9 @@ Two small scenarios on the engine, each target built fresh per round, rounds int
 (A B C A B C) and reported as medians:
 - shared prefix: request A (a ~600-token prefix + its own question) runs to its first token;
   then request B (the same prefix + another question) is timed to its first token (TTFT of
-  the second request, the prefix hit's gain) with the KV physically held at peak;
+  the second request, the prefix hit's gain) with the KV physically held at peak, split in
+  vattention into the pages backing sequences (theirs and cached chunks) and the reserve of
+  pre-mapped idle slots for the next admissions;
 - n = 4: one request of four greedy samples of 64 tokens after the same prefix; KV physically
   held at peak. Forks share full pages in both vattention targets; only prefix caching differs.
 
@@ -30,11 +32,19 @@ TARGETS = {
 }
 
 
-def peak_bytes(llm: LLM) -> int:
-    """Physical KV held at peak: pages (vattention) or blocks (paged), shared ones once."""
+def peak_mib(llm: LLM) -> dict[str, float]:
+    """Physical KV held at peak: pages (vattention) or blocks (paged), shared ones once; in
+    vattention also each maximum apart: pages backing sequences, and the pre-mapped reserve."""
     cache, stats = llm.engine.cache, llm.engine.cache.stats()
-    unit = cache.geometry.page_size if stats.unit == "page" else cache.block_bytes
-    return stats.units_peak * unit
+    if stats.unit != "page":
+        held = stats.units_peak * cache.block_bytes / 2**20
+        return {"held": held, "backing": held, "reserve": 0.0}
+    set_mib = cache.geometry.page_set_bytes / 2**20
+    return {
+        "held": stats.units_peak * cache.geometry.page_size / 2**20,
+        "backing": cache.peaks.backing * set_mib,
+        "reserve": cache.peaks.reserve * set_mib,
+    }
 
 
 def run(model: str, options: dict, prefix: list[int], dtype: str, page_size: int | None) -> dict[str, float]:
@@ -50,14 +60,15 @@ def run(model: str, options: dict, prefix: list[int], dtype: str, page_size: int
     out = llm.generate(prefix + [500, 501], first)[0]
     ttft = time.perf_counter() - start
     kv = llm.engine.cache.stats().since(before)
-    result = {"ttft_ms": ttft * 1e3, "peak_mib": peak_bytes(llm) / 2**20, "hit": kv.prefix_cache_hits}
+    result = {"ttft_ms": ttft * 1e3, "hit": kv.prefix_cache_hits}
+    result |= {f"{k}_mib": v for k, v in peak_mib(llm).items()}
     result["map_ms"] = (kv.map_seconds_critical or 0.0) * 1e3
     assert out.outputs[0].token_ids
     llm.close()
     llm = LLM(model, **options)
     samples = SamplingParams(n=4, temperature=0.0, max_tokens=64, ignore_eos=True)
     llm.generate(prefix, samples)
-    result["n4_peak_mib"] = peak_bytes(llm) / 2**20
+    result |= {f"n4_{k}_mib": v for k, v in peak_mib(llm).items()}
     llm.close()
     return result
 
@@ -81,14 +92,16 @@ def main() -> None:
             results[name].append(run(model, options, prefix, args.dtype, args.page_size))
     print(
         "| target | TTFT of the second request (ms) | prompt tokens hit | critical map ms | "
-        "peak KV, shared prefix (MiB) | peak KV, n = 4 (MiB) |"
+        "peak KV held / backing sequences / pre-mapped reserve, shared prefix (MiB) | "
+        "the same, n = 4 (MiB) |"
     )
     print("|---|---:|---:|---:|---:|---:|")
     for name, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(
             f"| {name} | {med['ttft_ms']:.0f} | {med['hit']:.0f} | {med['map_ms']:.1f} | "
-            f"{med['peak_mib']:.1f} | {med['n4_peak_mib']:.1f} |"
+            f"{med['held_mib']:.1f} / {med['backing_mib']:.1f} / {med['reserve_mib']:.1f} | "
+            f"{med['n4_held_mib']:.1f} / {med['n4_backing_mib']:.1f} / {med['n4_reserve_mib']:.1f} |"
         )
 
 
