@@ -417,3 +417,20 @@ def test_a_swapped_in_sequence_indexes_again_the_chunks_evicted_while_it_was_out
     cache.free(0)
     cache.free(1)
     cache.close()
+
+
+def test_the_premapped_reserve_outranks_the_least_recently_used_cached_chunk_at_the_peak() -> None:
+    cache = make_cache(sets=4, premap_fraction=0.5)  # the reserve may hold 2 sets
+    prompt = list(range(1, 129))
+    cache.admit(0, prompt)
+    compute(cache, 0, 0, 128, seed=0)  # 4 chunks cached, every set held: the peak
+    cache.free(0)
+    cache.table.mapping.drop_pages(cache.table.slots[0], 0)  # reclaimed: the index alone holds them
+    with cache._lock:
+        for job in cache._ahead.premap(30, slots=1):
+            cache._ahead.run(job, background=True)
+    stats = cache.stats()
+    assert cache.table.reserve() == 1 and stats.prefix_cache_evictions == 1
+    assert cache.pool.peak_held == 4 and stats.page_sets_free == 0
+    assert cache.admit(1, prompt) == 96  # the prefix's tail went first; its head is still cached
+    cache.close()
