@@ -29,6 +29,7 @@ from vmkv.decode_kernel import DecodeKernel, DecodePlan, load_decode_kernel, pag
 from vmkv.flash_support import flash_unusable_reason
 from vmkv.host_metadata import host_query_starts
 from vmkv.kv_cache import StepBatch
+from vmkv.prefill_kernel import causal_attention
 
 from .triton_attention import TritonPart, paged_attention, triton_part
 
@@ -43,10 +44,20 @@ def bottom_right_mask(num_cached: int, context_len: int, device: torch.device) -
 
 
 def causal_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    use_kernel: bool = False,
 ) -> torch.Tensor:
     """q [n, Hq, D] over k/v [L, Hkv, D] with a bottom_right_mask (None: nothing cached); GQA.
-    -> [n, Hq, D]."""
+    -> [n, Hq, D]. use_kernel: the CPU prefill kernel where it applies (the same causal
+    attention, vmkv/prefill_kernel.py), SDPA elsewhere."""
+    if use_kernel:
+        out = causal_attention(q, k, v, scale)
+        if out is not None:
+            return out
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -172,9 +183,11 @@ def _attend_parts(
     out: torch.Tensor,
     scale: float,
     new_from_blocks: bool = False,
+    use_kernel: bool = False,
 ) -> None:
     """Each part attends its context: the cached prefix read from the blocks, then its own new
-    k/v as given (or, with new_from_blocks, as read back from the blocks: the reference)."""
+    k/v as given (or, with new_from_blocks, as read back from the blocks: the reference).
+    use_kernel: see causal_sdpa."""
     bs = k_blocks.shape[1]
     for p in parts:
         new_k, new_v = k[p.start : p.end], v[p.start : p.end]
@@ -187,7 +200,7 @@ def _attend_parts(
             cached = p.blocks[: -(-p.num_cached // bs)]
             ctx_k = torch.cat([k_blocks.index_select(0, cached).flatten(0, 1)[: p.num_cached], new_k])
             ctx_v = torch.cat([v_blocks.index_select(0, cached).flatten(0, 1)[: p.num_cached], new_v])
-        out[p.start : p.end] = causal_sdpa(q[p.start : p.end], ctx_k, ctx_v, p.mask, scale)
+        out[p.start : p.end] = causal_sdpa(q[p.start : p.end], ctx_k, ctx_v, p.mask, scale, use_kernel)
 
 
 class BatchedAttention:
@@ -264,7 +277,7 @@ class BatchedAttention:
             kernel(d.kernel_plan, q.contiguous(), k_blocks, v_blocks, out, scale)
         elif d is not None:
             out.index_copy_(0, d.rows, self._decode_sdpa(q, k_blocks, v_blocks, d, scale).flatten(1, 2))
-        _attend_parts(q, k, v, k_blocks, v_blocks, plan.parts, out, scale)
+        _attend_parts(q, k, v, k_blocks, v_blocks, plan.parts, out, scale, use_kernel=self.use_kernel)
         return out
 
     def _kernel(self, q: torch.Tensor, k_blocks: torch.Tensor) -> DecodeKernel | None:

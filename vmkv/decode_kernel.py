@@ -2,11 +2,9 @@
 decode_kernel_source.py).
 
 Built with the system C compiler (`cc -O3 -march=native -fopenmp`, ~1 s) the first time a
-shape is used, into `$XDG_CACHE_HOME/vmkv/kernels` (default `~/.cache`) under a hash of the
-source, the flags and this CPU's feature flags, so later processes load it in milliseconds
-and a cache directory shared by different CPUs never hands one the other's instructions.
-Without a compiler `load_decode_kernel` logs a warning that says why and returns None; the
-layouts then fall back to their torch paths.
+shape is used and cached per source, flags and CPU (native_build.py). Without a compiler
+`load_decode_kernel` logs a warning that says why and returns None; the layouts then fall
+back to their torch paths.
 
 Per step a layout builds one plan (`dense_plan` or `paged_plan`: where each sequence's K/V
 lives, O(batch) host work); per layer it calls the kernel with that layer's K/V base, with
@@ -17,19 +15,14 @@ the kernel's OpenMP regions run on torch's own thread pool.)
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from vmkv.decode_kernel_source import SOURCE
+from vmkv.native_build import build_c_library
 
 log = logging.getLogger(__name__)
 
@@ -170,41 +163,6 @@ class DecodeKernel:
 _loaded: dict[tuple, DecodeKernel | None] = {}
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "vmkv" / "kernels"
-
-
-def _cpu_identity() -> str:
-    """The CPU's feature flags: a binary built with -march=native only runs where they match."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
-    except OSError:
-        return platform.machine() + platform.processor()
-
-
-def _build(flags: list[str]) -> Path:
-    """Compile the kernel with these flags, or reuse an earlier build of the same source here."""
-    key = "\n".join([SOURCE, " ".join(flags), _cpu_identity()])
-    target = _cache_dir() / f"decode_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise FileNotFoundError("no C compiler found (install one or set CC)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "decode.c"
-        src.write_text(SOURCE)
-        built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *flags, "-o", str(built), str(src), "-lm"], check=True, capture_output=True, text=True
-        )
-        os.replace(built, target)  # atomic: concurrent builders leave one complete file
-    return target
-
-
 def load_decode_kernel(
     dtype: torch.dtype, group: int, head_dim: int, extra_flags: tuple[str, ...] = ()
 ) -> DecodeKernel | None:
@@ -222,7 +180,7 @@ def load_decode_kernel(
     else:
         defines = [f"-D{_DTYPE_MACROS[dtype]}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]
         try:
-            library = ctypes.CDLL(str(_build([*_FLAGS, *extra_flags, *defines])))
+            library = ctypes.CDLL(str(build_c_library("decode", SOURCE, [*_FLAGS, *extra_flags, *defines])))
             function = library.decode_attention
             function.restype = ctypes.c_int
             p = ctypes.c_void_p

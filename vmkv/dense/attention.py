@@ -13,8 +13,9 @@ Decode sequences (one new token) take one of two routes, neither copying K/V:
   read (and masked), so a group only forms where every slot is readable up to Lmax; the
   others get their own call. Running unmodified kernels on the virtual memory is the
   point of the layout, so this stays selectable.
-Every other sequence (prefill chunks) gets one SDPA call on its exact [1, Hkv, len, D]
-view. With flash-attn importable and the cache on a GPU, flash_attn_with_kvcache appends
+Every other sequence (prefill chunks) gets one call on its exact [len, Hkv, D] view: the CPU
+prefill kernel (vmkv/prefill_kernel.py) where the decode kernel runs and it applies (bf16,
+AVX512-BF16), else SDPA. With flash-attn importable and the cache on a GPU, flash_attn_with_kvcache appends
 the new K/V and attends in one call per step for decodes and one per prefill sequence.
 
 GQA without copying K/V: query head h reads KV head h // G (G = Hq / Hkv), so a decode
@@ -26,8 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vmkv.dense.plan import DenseSlotPlan
+from vmkv.dense.plan import DenseSlotPlan, SingleSeq
 from vmkv.kv_cache import KVShape
+from vmkv.prefill_kernel import causal_attention
 
 
 def attend_dense(
@@ -77,6 +79,8 @@ def attend_dense(
             qs = q[s.row_start].view(1, num_kv, group, -1)
             o = F.scaled_dot_product_attention(qs, keys, values, scale=scale)
             out[s.row_start] = o.reshape(num_kv * group, -1)
+        elif (o := _prefill_kernel(plan, q, k_cache, v_cache, s, scale)) is not None:
+            out[s.row_start : s.row_end] = o
         else:
             qs = q[s.row_start : s.row_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             o = F.scaled_dot_product_attention(
@@ -90,6 +94,22 @@ def attend_dense(
             )
             out[s.row_start : s.row_end] = o[0].transpose(0, 1)
     return out
+
+
+def _prefill_kernel(
+    plan: DenseSlotPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    s: SingleSeq,
+    scale: float,
+) -> torch.Tensor | None:
+    """The CPU prefill kernel on the slot in place, where the layout runs its kernels (not on
+    the "sdpa" path) and the kernel applies; None otherwise."""
+    if not plan.prefill_kernel:
+        return None
+    keys, values = k_cache[s.slot, : s.context_len], v_cache[s.slot, : s.context_len]
+    return causal_attention(q[s.row_start : s.row_end], keys, values, scale)
 
 
 def _attend_flash(

@@ -129,6 +129,7 @@ class DenseSlotPlan:
     use_flash: bool = False
     kernel_decode: KernelDecode | None = None  # set on the kernel path instead of groups
     kernels: DecodeKernels | None = None
+    prefill_kernel: bool = False  # prefill chunks try the CPU prefill kernel (vmkv/prefill_kernel.py)
 
 
 def plan_step(
@@ -160,6 +161,7 @@ def plan_step(
     starts = host_query_starts(batch)
     write = torch.tensor([write_slot, write_pos], device=device)
     plan = DenseSlotPlan(batch, write[0], write[1], [], [], use_flash=use_flash)
+    plan.prefill_kernel = kernels is not None and not use_flash  # the layout runs its own kernels
     decodes = [i for i, s in enumerate(steps) if s.num_new == 1]
     prefills = [i for i, s in enumerate(steps) if s.num_new > 1]
     if use_flash:

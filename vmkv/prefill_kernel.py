@@ -1,0 +1,90 @@
+"""The CPU prefill-attention kernel (source and design: prefill_kernel_source.py).
+
+`causal_attention(q, k, v, scale)` is what a layout calls for a sequence's new rows instead
+of torch's SDPA: it returns None where the kernel does not apply (not bf16, not on a CPU
+with AVX512-BF16, a head_dim that is not a multiple of 32, no compiler), and the caller then
+runs SDPA, which stays the reference and the path on every other machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+from functools import cache
+
+import torch
+
+from vmkv.native_build import build_c_library
+from vmkv.prefill_kernel_source import SOURCE
+
+log = logging.getLogger(__name__)
+
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
+
+
+@cache
+def _load(group: int, head_dim: int) -> ctypes._CFuncPtr | None:
+    try:
+        library = ctypes.CDLL(
+            str(build_c_library("prefill", SOURCE, [*_FLAGS, f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]))
+        )
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.strip()[-2000:] if isinstance(e, subprocess.CalledProcessError) else str(e)
+        log.warning("CPU prefill kernel unavailable, prefill attention uses SDPA: %s", detail)
+        return None
+    function = library.prefill_attention
+    function.restype = ctypes.c_int
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    q, kv, out, sizes = [p, i64, i64], [p, p, i64, i64], [p, i64, i64], [i64, i64, i64]
+    function.argtypes = [*q, *kv, *out, *sizes, ctypes.c_float, ctypes.c_int]
+    function.library = library  # the function pointer keeps its library loaded
+    return function
+
+
+def kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """True where the kernel can run this attention: bf16 on a CPU with AVX512-BF16."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and k.dtype == torch.bfloat16
+        and q.shape[-1] % 32 == 0
+        and torch.cpu._is_avx512_bf16_supported()
+    )
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """q [n, Hq, D] over k/v [L, Hkv, D] (L >= n; query row i sits at position L - n + i and
+    sees keys 0..L - n + i; GQA: query head j reads KV head j // (Hq / Hkv)) -> [n, Hq, D].
+    Any token/head strides with the last dim contiguous; k and v strides equal. None where
+    the kernel does not apply (see kernel_applies)."""
+    n, num_q, head_dim = q.shape
+    length, num_kv, _ = k.shape
+    if not kernel_applies(q, k) or k.stride() != v.stride() or q.stride(2) != 1 or k.stride(2) != 1:
+        return None
+    if not 0 < n <= length or num_q % num_kv or k.shape != v.shape:
+        raise ValueError(f"q {list(q.shape)} cannot attend over k {list(k.shape)} / v {list(v.shape)}")
+    function = _load(num_q // num_kv, head_dim)
+    if function is None:
+        return None
+    out = torch.empty(n, num_q, head_dim, dtype=q.dtype, device=q.device)
+    status = function(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        k.stride(1),
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        n,
+        length,
+        num_kv,
+        scale,
+        torch.get_num_threads(),
+    )
+    if status:
+        raise MemoryError("the CPU prefill kernel could not allocate its buffers")
+    return out
