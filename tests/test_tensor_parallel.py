@@ -25,19 +25,21 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 from test_engine_process import alive, children, free_port, vmkv_serve, wait_until
-from test_kv_contract import MAX_LEN, Q_HEADS, SCALE, SHAPE, ContractLifecycle
+from test_kv_contract import MAX_LEN, Q_HEADS, SCALE, SHAPE, ContractLifecycle, build
 from vmkv.paging import PagedKVCache
 
 from vmkv.contiguous import ContiguousKVCache
 from vmkv.distributed.errors import TensorParallelConfigError
 from vmkv.distributed.messages import StepMessage
 from vmkv.distributed.recording import RecordingContiguousKVCache, RecordingPagedKVCache
-from vmkv.distributed.replica import Replica
-from vmkv.distributed.sharding import check_divides
+from vmkv.distributed.recording_vattention import RecordingVAttentionKVCache
+from vmkv.distributed.replica import VATTENTION_FOLLOWER, Replica
+from vmkv.distributed.sharding import check_divides, kv_storage_bytes
 from vmkv.engine import LLM, AsyncProcessLLM, EngineConfig, EngineDead, SamplingParams
 from vmkv.engine.llm_engine import EngineStats
 from vmkv.kv_cache import SeqStep
 from vmkv.model.store import load_model
+from vmkv.vattention import VAttentionKVCache
 
 # 4 attention heads and 2 KV heads (tests/conftest.py's tiny Llama): both divide by 2
 BASE = {"dtype": "float32", "num_threads": 1, "max_num_seqs": 8, "max_num_batched_tokens": 64}
@@ -49,6 +51,10 @@ CASES = {
                    "kv_budget_bytes": 80 << 10, "max_model_len": 128},
     "contiguous-swap": {"kv_mode": "contiguous", "preemption_mode": "swap",
                         "kv_budget_bytes": 256 << 10, "max_model_len": 256},
+    "vattention-recompute": {"kv_mode": "vattention", "preemption_mode": "recompute", "page_size": 4096,
+                             "kv_budget_bytes": 80 << 10, "max_model_len": 128},
+    "vattention-swap": {"kv_mode": "vattention", "preemption_mode": "swap", "page_size": 4096,
+                        "kv_budget_bytes": 80 << 10, "max_model_len": 128},
 }  # fmt: skip
 SHARED = list(range(5, 22))  # a shared prompt prefix: two full blocks of 8 hit the prefix cache
 PROMPTS = [SHARED + [30 + i] * (i + 2) for i in range(6)]
@@ -73,7 +79,7 @@ def run(model: Path, case: dict, tensor_parallel_size: int, **options: object) -
         return Run(
             [[sample.token_ids for sample in out.outputs] for out in outputs],
             engine.stats(),
-            [engine.cache.memory().reserved_bytes] if tp is None else tp.kv_bytes_per_rank(),
+            [kv_storage_bytes(engine.cache)] if tp is None else tp.kv_bytes_per_rank(),
             0 if tp is None else tp.stats.steps,
         )
     finally:
@@ -95,6 +101,15 @@ def test_two_ranks_give_one_rank_s_greedy_outputs_under_preemption(runs: tuple[R
 def test_the_kv_manager_decides_once_and_the_other_rank_follows(runs: tuple[Run, Run]) -> None:
     one, two = runs
     kv_one, kv_two = one.stats.kv_stats, two.stats.kv_stats
+    # every step reached the other rank in one message
+    assert two.messages == two.stats.num_steps
+    if kv_one.unit == "page":
+        # a rank's page of half the KV heads holds twice the tokens, so vattention's decisions at
+        # TP=2 are not TP=1's: they are made once, on rank 0, and this workload makes all kinds
+        assert two.stats.num_preemptions > 0, "the budget should force preemption at TP=2 too"
+        assert kv_two.prefix_cache_hits > 0 and kv_two.fork_shared_pages > 0 and kv_two.fork_copied_pages > 0
+        assert (kv_two.swap_out_bytes > 0) == (one.stats.kv_stats.swap_out_bytes > 0)
+        return
     # rank 0's cache made exactly the one-rank engine's decisions ...
     assert two.stats.num_preemptions == one.stats.num_preemptions
     assert kv_two.units_total == kv_one.units_total and kv_two.units_peak == kv_one.units_peak
@@ -103,8 +118,6 @@ def test_the_kv_manager_decides_once_and_the_other_rank_follows(runs: tuple[Run,
         assert (kv_two.prefix_cache_hits, kv_two.cow_copies) == (kv_one.prefix_cache_hits, kv_one.cow_copies)
     # ... moving half the bytes, since it holds half the KV heads
     assert kv_two.swap_out_bytes * 2 == kv_one.swap_out_bytes
-    # and the other rank got every step in one message
-    assert two.messages == two.stats.num_steps
 
 
 def test_each_rank_holds_half_the_kv_bytes(runs: tuple[Run, Run]) -> None:
@@ -155,9 +168,8 @@ def test_a_split_that_would_cut_a_head_is_refused_naming_the_model_s_counts(tiny
         LLM(str(tiny_model_dir), **BASE, kv_mode="paged", tensor_parallel_size=4)  # refused before any worker
 
 
-def test_layouts_and_modes_without_tensor_parallelism_are_refused_up_front() -> None:
-    with pytest.raises(ValueError, match="kv_mode vattention cannot run with tensor_parallel_size 2"):
-        EngineConfig(kv_mode="vattention", tensor_parallel_size=2)
+def test_modes_without_tensor_parallelism_are_refused_up_front() -> None:
+    EngineConfig(kv_mode="vattention", tensor_parallel_size=2)  # every layout runs
     with pytest.raises(ValueError, match="compile_model"):
         EngineConfig(kv_mode="paged", compile_model=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
@@ -170,14 +182,23 @@ def test_layouts_and_modes_without_tensor_parallelism_are_refused_up_front() -> 
 class ReplicatedLifecycle(ContractLifecycle):
     """The contract's random lifecycles on rank 0's recording cache; after each step a replica
     applies the log, plans the step itself and attends with the same new K/V: its attention
-    must match the reference and its storage must equal rank 0's, bit for bit."""
+    must match the reference and its storage must equal rank 0's, bit for bit (vattention:
+    every resident sequence's computed tokens, since a page rank 0 gave back to the OS reads
+    zero there and stale on the replica until written)."""
 
-    @initialize(layout=st.sampled_from(["paged", "contiguous"]), option=st.integers(0, 1))
+    @initialize(layout=st.sampled_from(["paged", "contiguous", "vattention"]), option=st.integers(0, 7))
     def start(self, layout: str, option: int) -> None:
         if layout == "paged":  # the contract test's paged sizes, with and without prefix caching
             args = (SHAPE, MAX_LEN, 20 * 8 * SHAPE.bytes_per_token)
-            options = {"block_size": 8, "enable_prefix_caching": option == 1, "model_id": "m"}
+            options = {"block_size": 8, "enable_prefix_caching": option % 2 == 1, "model_id": "m"}
             self.cache, follower = RecordingPagedKVCache(*args, **options), PagedKVCache(*args, **options)
+        elif layout == "vattention":  # the contract test's variants (orders, sharing, reclamation)
+            variant = build(layout, option)
+            args = (SHAPE, MAX_LEN, variant.pool.num_sets * variant.geometry.page_set_bytes)
+            config = variant.config
+            variant.close()
+            self.cache = RecordingVAttentionKVCache(*args, config=config, model_id="m")
+            follower = VAttentionKVCache(*args, config=config, model_id="m", **VATTENTION_FOLLOWER)
         else:
             args = (SHAPE, MAX_LEN, 3 * MAX_LEN * SHAPE.bytes_per_token)
             self.cache, follower = RecordingContiguousKVCache(*args), ContiguousKVCache(*args)
@@ -207,7 +228,14 @@ class ReplicatedLifecycle(ContractLifecycle):
             contexts = [self.truth(s.seq_id, layer, s.context_len) for s in seq_steps]
             ref = reference_attention(q, [c[0] for c in contexts], [c[1] for c in contexts], seq_steps, SCALE)
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
-        assert torch.equal(self.replica.cache.kv, self.cache.kv)
+        if isinstance(self.cache, VAttentionKVCache):  # what its sequences hold (free pages may differ)
+            views = zip(self.cache.mapping.tensors(), self.replica.cache.mapping.tensors(), strict=True)
+            for mine, theirs in views:
+                for seq_id in self.resident():
+                    slot, computed = self.cache.seqs[seq_id].slot, self.computed[seq_id]
+                    assert torch.equal(theirs[slot, :computed], mine[slot, :computed])
+        else:
+            assert torch.equal(self.replica.cache.kv, self.cache.kv)
 
     def teardown(self) -> None:
         super().teardown()

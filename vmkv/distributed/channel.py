@@ -30,7 +30,7 @@ def ready_key(rank: int) -> str:
 
 
 def kv_bytes_key(rank: int) -> str:
-    """Set by a worker with the bytes its KV storage holds (what rank 0 reports per rank)."""
+    """Set by a worker with the physical bytes its KV storage holds (what rank 0 reports per rank)."""
     return f"vmkv/kv-bytes/{rank}"
 
 

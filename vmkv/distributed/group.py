@@ -25,12 +25,21 @@ from vmkv.distributed import channel
 from vmkv.distributed.errors import TensorParallelError
 from vmkv.distributed.messages import StepMessage
 from vmkv.distributed.recording import RecordingContiguousKVCache, RecordingPagedKVCache
-from vmkv.distributed.sharding import Shard, check_divides, rank_config, rank_kv_shape, shard_model
+from vmkv.distributed.recording_vattention import RecordingVAttentionKVCache
+from vmkv.distributed.sharding import (
+    Shard,
+    check_divides,
+    kv_storage_bytes,
+    rank_config,
+    rank_kv_shape,
+    shard_model,
+)
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.kv_factory import build_kv_cache
 from vmkv.kv_cache import KVCache, KVShape
 
 logger = logging.getLogger(__name__)
+RecordingCache = RecordingPagedKVCache | RecordingContiguousKVCache | RecordingVAttentionKVCache
 START_TIMEOUT_SECONDS = 600.0  # loading a model can take minutes
 STOP_TIMEOUT_SECONDS = 10.0
 POLL_SECONDS = 0.05
@@ -66,7 +75,7 @@ class TensorParallel:
         self.shard = Shard(0, n, failure_reason=self.failure_reason)
         self.stats = ChannelStats()
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
-        self.cache: RecordingPagedKVCache | RecordingContiguousKVCache | None = None
+        self.cache: RecordingCache | None = None
         self._group: dist.ProcessGroup | None = None
         self._joined = False
         self._in_forward = False  # set between the step's send and the end of rank 0's forward
@@ -115,6 +124,7 @@ class TensorParallel:
             model_id,
             paged=RecordingPagedKVCache,
             contiguous=RecordingContiguousKVCache,
+            vattention=RecordingVAttentionKVCache,
         )
         return self.cache
 
@@ -146,9 +156,9 @@ class TensorParallel:
             time.sleep(POLL_SECONDS)
 
     def kv_bytes_per_rank(self) -> list[int]:
-        """The bytes of KV storage each rank holds, rank 0 first."""
+        """The physical bytes of KV storage each rank holds, rank 0 first."""
         workers = [int(self.store.get(channel.kv_bytes_key(rank))) for rank in range(1, self.world_size)]
-        return [self.cache.memory().reserved_bytes, *workers]
+        return [kv_storage_bytes(self.cache), *workers]
 
     # ---------------------------------------------------------------- steps
     def check_alive(self) -> None:

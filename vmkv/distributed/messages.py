@@ -45,7 +45,8 @@ class CopySlot:
 
 @dataclass(frozen=True)
 class SlotToHost:
-    """Contiguous: the first `length` tokens of slot `slot` copied to host copy `key` (swap-out)."""
+    """Contiguous and vattention: the first `length` tokens of slot `slot` copied to host copy
+    `key` (swap-out)."""
 
     key: int
     slot: int
@@ -54,10 +55,58 @@ class SlotToHost:
 
 @dataclass(frozen=True)
 class HostToSlot:
-    """Contiguous: host copy `key` written back into slot `slot`, then dropped (swap-in)."""
+    """Contiguous and vattention: host copy `key` written back into slot `slot` (swap-in);
+    contiguous drops it then, vattention at its DropHost."""
 
     key: int
     slot: int
+
+
+@dataclass(frozen=True)
+class MapPages:
+    """vattention: page sets `sets` mapped at pages first.. of slot `slot` (every column, every region)."""
+
+    slot: int
+    first: int
+    sets: list[int]
+
+
+@dataclass(frozen=True)
+class UnmapPages:
+    """vattention: pages first..first+count-1 of slot `slot` unmapped."""
+
+    slot: int
+    first: int
+    count: int
+
+
+@dataclass(frozen=True)
+class CopyPages:
+    """vattention: pages first..first+count-1 of slot src copied to the same pages of slot dst (fork)."""
+
+    src: int
+    dst: int
+    first: int
+    count: int
+
+
+@dataclass(frozen=True)
+class PagesToHost:
+    """vattention: pages first..first+count-1 of slot `slot` copied to host copy `key` (copy-on-write)."""
+
+    key: int
+    slot: int
+    first: int
+    count: int
+
+
+@dataclass(frozen=True)
+class PagesFromHost:
+    """vattention: host copy `key` written back at pages first.. of slot `slot` (copy-on-write)."""
+
+    key: int
+    slot: int
+    first: int
 
 
 @dataclass(frozen=True)
@@ -67,7 +116,20 @@ class DropHost:
     key: int
 
 
-KVOp = CopyBlock | BlocksToHost | BlocksFromHost | CopySlot | SlotToHost | HostToSlot | DropHost
+KVOp = (
+    CopyBlock
+    | BlocksToHost
+    | BlocksFromHost
+    | CopySlot
+    | SlotToHost
+    | HostToSlot
+    | MapPages
+    | UnmapPages
+    | CopyPages
+    | PagesToHost
+    | PagesFromHost
+    | DropHost
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +148,15 @@ class SlotStep:
 
 
 @dataclass(frozen=True)
+class VAttentionStep:
+    """Where the step's sequences live in a vattention cache: their slots, and the tokens
+    backed in each (what the step's plan may read: it decides which decodes batch together)."""
+
+    slots: list[int]
+    readable: list[int]
+
+
+@dataclass(frozen=True)
 class StepMessage:
     """One step for the other ranks: apply `ops` (in order), then run the forward.
 
@@ -95,6 +166,6 @@ class StepMessage:
 
     ops: list[KVOp]
     steps: list[tuple[int, int, int]]
-    layout: PagedStep | SlotStep
+    layout: PagedStep | SlotStep | VAttentionStep
     input_ids: list[int]
     positions: list[int]

@@ -9,8 +9,10 @@ which holds the same blocks or slots for their own KV heads.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -27,6 +29,7 @@ from vmkv.distributed.messages import (
     PagedStep,
     SlotStep,
     SlotToHost,
+    VAttentionStep,
 )
 from vmkv.kv_cache import StepBatch
 from vmkv.paging import PagedKVCache
@@ -34,15 +37,24 @@ from vmkv.paging.attention import PagedPlan
 
 
 class OpLog:
-    """The ops since the last step, and the layout step of the latest prepare."""
+    """The ops since the last step, and the layout step of the latest prepare.
 
-    def __init__(self) -> None:
+    lock: the cache's, where another thread (vattention's background mapper) logs ops too;
+    add() and take() hold it, so no op lands in a list already sent.
+    """
+
+    def __init__(self, lock: threading.RLock | None = None) -> None:
         self.ops: list[KVOp] = []
         self.steps: list[tuple[int, int, int]] = []
-        self.step: PagedStep | SlotStep | None = None
+        self.step: PagedStep | SlotStep | VAttentionStep | None = None
         self._next_key = 0
+        self._lock = lock or nullcontext()
 
-    def prepared(self, batch: StepBatch, step: PagedStep | SlotStep) -> None:
+    def add(self, op: KVOp) -> None:
+        with self._lock:
+            self.ops.append(op)
+
+    def prepared(self, batch: StepBatch, step: PagedStep | SlotStep | VAttentionStep) -> None:
         self.steps = [(s.seq_id, s.num_cached, s.num_new) for s in batch.steps]
         self.step = step
 
@@ -50,14 +62,37 @@ class OpLog:
         self._next_key += 1
         return self._next_key
 
-    def take(self) -> tuple[list[KVOp], list[tuple[int, int, int]], PagedStep | SlotStep]:
+    def take(self) -> tuple[list[KVOp], list[tuple[int, int, int]], PagedStep | SlotStep | VAttentionStep]:
         """The ops to apply before this step's forward, the step's (seq_id, num_cached, num_new)
         and its layout step; the log starts again."""
-        if self.step is None:
-            raise RuntimeError("a forward ran without its cache's prepare")
-        taken = self.ops, self.steps, self.step
-        self.ops, self.step = [], None
+        with self._lock:
+            if self.step is None:
+                raise RuntimeError("a forward ran without its cache's prepare")
+            taken = self.ops, self.steps, self.step
+            self.ops, self.step = [], None
         return taken
+
+
+class HostKeys:
+    """Keys for rank 0's host copies: each gets one when made, and its drop is logged when
+    rank 0's tensor dies (the other ranks keep theirs exactly as long)."""
+
+    def __init__(self, log: OpLog) -> None:
+        self.log = log
+        self._keys: dict[int, int] = {}  # id(host tensor) -> key, while the tensor lives
+
+    def new(self, host: torch.Tensor) -> int:
+        key = self.log.new_key()
+        self._keys[id(host)] = key
+        weakref.finalize(host, self._dropped, id(host), key)
+        return key
+
+    def __getitem__(self, host: torch.Tensor) -> int:
+        return self._keys[id(host)]
+
+    def _dropped(self, host_id: int, key: int) -> None:
+        self._keys.pop(host_id, None)
+        self.log.add(DropHost(key))
 
 
 class RecordingPagedKVCache(PagedKVCache):
@@ -66,7 +101,7 @@ class RecordingPagedKVCache(PagedKVCache):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.log = OpLog()
-        self._host_keys: dict[int, int] = {}  # id(host tensor) -> key, while the tensor lives
+        self._hosts = HostKeys(self.log)
 
     def prepare(self, batch: StepBatch) -> PagedPlan:
         plan = super().prepare(batch)
@@ -80,20 +115,13 @@ class RecordingPagedKVCache(PagedKVCache):
 
     def _to_host(self, block_ids: list[int]) -> torch.Tensor:
         host = super()._to_host(block_ids)
-        key = self.log.new_key()
-        self._host_keys[id(host)] = key
         # the host copy lives as long as a swapped sequence refers to it; so do the others'
-        weakref.finalize(host, self._dropped, id(host), key)
-        self.log.ops.append(BlocksToHost(key, list(block_ids)))
+        self.log.ops.append(BlocksToHost(self._hosts.new(host), list(block_ids)))
         return host
 
     def _from_host(self, host: torch.Tensor, host_blocks: list[int], block_ids: list[int]) -> None:
         super()._from_host(host, host_blocks, block_ids)
-        self.log.ops.append(BlocksFromHost(self._host_keys[id(host)], list(host_blocks), list(block_ids)))
-
-    def _dropped(self, host_id: int, key: int) -> None:
-        self._host_keys.pop(host_id, None)
-        self.log.ops.append(DropHost(key))
+        self.log.ops.append(BlocksFromHost(self._hosts[host], list(host_blocks), list(block_ids)))
 
 
 class RecordingContiguousKVCache(ContiguousKVCache):

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from vmkv.distributed.errors import TensorParallelConfigError, TensorParallelError
 from vmkv.engine.config import EngineConfig
-from vmkv.kv_cache import KVShape
+from vmkv.kv_cache import KVCache, KVShape
+from vmkv.vattention import VAttentionKVCache
 
 ATTENTION_ROWS = ("q_proj", "k_proj", "v_proj")
 MLP_ROWS = ("gate_proj", "up_proj")
@@ -61,6 +62,14 @@ def rank_config(config: EngineConfig) -> EngineConfig:
     """The config one rank builds its cache from: kv_budget_bytes is the engine's, split evenly,
     so every rank's cache has as many blocks (or slots) as one cache of the whole budget."""
     return replace(config, kv_budget_bytes=config.kv_budget_bytes // config.tensor_parallel_size)
+
+
+def kv_storage_bytes(cache: KVCache) -> int:
+    """The physical bytes a rank's cache holds for KV: its page pool (vattention, whose
+    reservation is address space only), else the storage it allocated up front."""
+    if isinstance(cache, VAttentionKVCache):
+        return cache.pool.num_sets * cache.geometry.page_set_bytes
+    return cache.memory().reserved_bytes
 
 
 def shard_model(model: torch.nn.Module, shard: Shard) -> None:

@@ -24,12 +24,13 @@ import torch.distributed as dist
 
 from vmkv.distributed import channel
 from vmkv.distributed.messages import StepMessage
-from vmkv.distributed.replica import Replica
-from vmkv.distributed.sharding import Shard, rank_config, rank_kv_shape, shard_model
+from vmkv.distributed.replica import VATTENTION_FOLLOWER, Replica
+from vmkv.distributed.sharding import Shard, kv_storage_bytes, rank_config, rank_kv_shape, shard_model
 from vmkv.engine.attention_hook import step_context
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.kv_factory import build_kv_cache
 from vmkv.engine.model_runner import ModelRunner
+from vmkv.vattention import VAttentionKVCache
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT = timedelta(minutes=10)
@@ -46,7 +47,8 @@ class Follower:
             config = replace(config, device=f"cuda:{local}")
         self.runner = ModelRunner(config, config.model, shard=partial(shard_model, shard=shard))
         shape = rank_kv_shape(self.runner.kv_shape, shard.world_size)
-        self.replica = Replica(build_kv_cache(rank_config(config), shape, config.model))
+        follower = partial(VAttentionKVCache, **VATTENTION_FOLLOWER)
+        self.replica = Replica(build_kv_cache(rank_config(config), shape, config.model, vattention=follower))
 
     @torch.inference_mode()
     def step(self, message: StepMessage) -> None:
@@ -81,7 +83,7 @@ def main() -> None:
     except Exception as error:
         store.set(channel.ready_key(rank), f"{type(error).__name__}: {error}")
         raise
-    store.set(channel.kv_bytes_key(rank), str(follower.replica.cache.memory().reserved_bytes))
+    store.set(channel.kv_bytes_key(rank), str(kv_storage_bytes(follower.replica.cache)))
     store.set(channel.ready_key(rank), "ok")
     try:
         while (message := channel.receive(group)) is not None:

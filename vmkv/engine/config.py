@@ -79,12 +79,6 @@ class EngineConfig:
             raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
         if self.page_size is not None and (not isinstance(self.page_size, int) or self.page_size < 1):
             raise ValueError(f"page_size must be a positive integer or None, got {self.page_size!r}")
-        if self.tensor_parallel_size > 1 and self.kv_mode == "vattention":
-            # its page mapping and page copies are not yet replayable on other ranks (docs/scale-out.md)
-            raise ValueError(
-                "tensor parallelism runs the paged and contiguous layouts; kv_mode vattention "
-                f"cannot run with tensor_parallel_size {self.tensor_parallel_size}"
-            )
         local = self.tensor_parallel_local_ranks
         whole = isinstance(local, int) and not isinstance(local, bool)
         if local is not None and not (whole and 1 <= local <= self.tensor_parallel_size):

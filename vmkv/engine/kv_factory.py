@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vmkv.contiguous import ContiguousKVCache
 from vmkv.engine.config import EngineConfig
 from vmkv.kv_cache import KVCache, KVShape
@@ -15,16 +17,17 @@ def build_kv_cache(
     model_id: str,
     paged: type[PagedKVCache] = PagedKVCache,
     contiguous: type[ContiguousKVCache] = ContiguousKVCache,
+    vattention: Callable[..., VAttentionKVCache] | None = None,
 ) -> KVCache:
     """A cache of config.kv_budget_bytes holding sequences up to config.max_model_len tokens.
 
     model_id keys both prefix caches (paged's blocks, vattention's chunks of pages), so KV is
-    never shared across models; a request's cache_salt keys it per tenant. paged and
-    contiguous may name subclasses (tensor parallelism's rank 0 records what its cache does).
+    never shared across models; a request's cache_salt keys it per tenant. paged, contiguous
+    and vattention may name subclasses (tensor parallelism's rank 0 records what its cache does).
     """
     if config.kv_mode == "vattention":
         options = {} if config.page_size is None else {"page_size": config.page_size}
-        return VAttentionKVCache(
+        return (vattention or VAttentionKVCache)(
             shape,
             config.max_model_len,
             config.kv_budget_bytes,

@@ -6,6 +6,11 @@ reserved through the driver (or all in one reservation). A slot's pages are mapp
 by page set, in every column of every region at once, so
 one list of set ids per slot describes its whole mapping. This file is the mechanism only:
 which slot gets which sets is the slot table's policy (slots.py).
+
+Every change to what backs a slot's pages (map, unmap) or to what they hold outside a step's
+attention (fork copies, copy-on-write, swap) is made here, by slot index, and told to an
+optional observer in order: tensor parallelism's rank 0 logs them, and every other rank
+replays them on its own mapping at the same offsets (vmkv/distributed/).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import errno
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -57,6 +63,21 @@ class MappingEvents:
     swap_in_bytes: int = 0
 
 
+class MappingObserver(Protocol):
+    """Told of each change a SlotMapping makes, after it is made, in order (under the cache's lock).
+
+    Host copies are the tensors the read methods return; they are passed back to the write methods.
+    """
+
+    def mapped(self, slot: int, first: int, sets: list[int]) -> None: ...
+    def unmapped(self, slot: int, first: int, count: int) -> None: ...
+    def copied(self, src: int, dst: int, first: int, count: int) -> None: ...
+    def pages_read(self, host: torch.Tensor, slot: int, first: int, count: int) -> None: ...
+    def pages_written(self, host: torch.Tensor, slot: int, first: int) -> None: ...
+    def tokens_read(self, host: torch.Tensor, slot: int, length: int) -> None: ...
+    def tokens_written(self, host: torch.Tensor, slot: int) -> None: ...
+
+
 class SlotMapping:
     """Owns the driver pages of num_sets page sets and the reservations of every region."""
 
@@ -71,6 +92,7 @@ class SlotMapping:
     ) -> None:
         self.driver, self.geometry = driver, geometry
         self.events = MappingEvents()
+        self.observer: MappingObserver | None = None
         self._owns_driver = owns_driver
         self.placed: list[tuple[Reservation, int]] = []
         self._pages: list[int] = []
@@ -108,26 +130,15 @@ class SlotMapping:
         All or nothing: a failed driver call unmaps what this call mapped and gives the sets
         back; ENOMEM (vm.max_map_count, or the machine out of memory) becomes OutOfKVMemory.
         """
-        geo = self.geometry
         calls = self.driver.stats.map_calls
         t0 = time.perf_counter()
-        first = len(slot.sets)
-        started: list[tuple[Reservation, int]] = []
         try:
-            for t, (res, base) in enumerate(self.placed):
-                for c in range(geo.columns):
-                    offset = base + geo.page_offset(slot.index, c, first)
-                    started.append((res, offset))
-                    self.driver.map(res, offset, [self.pool.physical(s, t * geo.columns + c) for s in sets])
+            self.map_at(slot.index, len(slot.sets), sets)
         except RawCallError as e:
-            for res, offset in started:
-                for i in range(len(sets)):
-                    if self.driver.is_mapped(res, offset + i * geo.page_size, geo.page_size):
-                        self.driver.unmap(res, offset + i * geo.page_size)
             for set_id in sets:
                 self.pool.release(set_id)
             if e.errno == errno.ENOMEM:
-                raise OutOfKVMemory(len(sets) * geo.units, 0, "pages") from e
+                raise OutOfKVMemory(len(sets) * self.geometry.units, 0, "pages") from e
             raise
         finally:
             calls, seconds = self.driver.stats.map_calls - calls, time.perf_counter() - t0
@@ -139,19 +150,43 @@ class SlotMapping:
                 self.events.map_seconds_critical += seconds
         slot.sets.extend(sets)
 
+    def map_at(self, slot: int, first: int, sets: list[int]) -> None:
+        """Map page sets at pages first.. of slot `slot`; a failed call unmaps what this one mapped."""
+        geo = self.geometry
+        started: list[tuple[Reservation, int]] = []
+        try:
+            for t, (res, base) in enumerate(self.placed):
+                for c in range(geo.columns):
+                    offset = base + geo.page_offset(slot, c, first)
+                    started.append((res, offset))
+                    self.driver.map(res, offset, [self.pool.physical(s, t * geo.columns + c) for s in sets])
+        except RawCallError:
+            for res, offset in started:
+                for i in range(len(sets)):
+                    if self.driver.is_mapped(res, offset + i * geo.page_size, geo.page_size):
+                        self.driver.unmap(res, offset + i * geo.page_size)
+            raise
+        if self.observer is not None:
+            self.observer.mapped(slot, first, list(sets))
+
     def drop_pages(self, slot: Slot, keep: int) -> None:
         """Unmap the slot's pages from index keep on and release their sets."""
-        geo = self.geometry
         if len(slot.sets) <= keep:
             return
-        count = len(slot.sets) - keep
-        for res, base in self.placed:
-            for c in range(geo.columns):
-                self.driver.unmap(res, base + geo.page_offset(slot.index, c, keep), count)
-                self.events.unmap_calls += 1
+        self.unmap_at(slot.index, keep, len(slot.sets) - keep)
         for set_id in slot.sets[keep:]:
             self.pool.release(set_id)
         del slot.sets[keep:]
+
+    def unmap_at(self, slot: int, first: int, count: int) -> None:
+        """Unmap pages first..first+count-1 of slot `slot` in every column of every region."""
+        geo = self.geometry
+        for res, base in self.placed:
+            for c in range(geo.columns):
+                self.driver.unmap(res, base + geo.page_offset(slot, c, first), count)
+                self.events.unmap_calls += 1
+        if self.observer is not None:
+            self.observer.unmapped(slot, first, count)
 
     def copy_pages(self, src: Slot, dst: Slot, first: int, count: int) -> None:
         """Copy pages first..first+count-1 of every column of every region from src to dst."""
@@ -162,26 +197,52 @@ class SlotMapping:
                 to = geo.page_offset(dst.index, c, 0) + start
                 from_ = geo.page_offset(src.index, c, 0) + start
                 data[to : to + nbytes].copy_(data[from_ : from_ + nbytes])
+        if self.observer is not None:
+            self.observer.copied(src.index, dst.index, first, count)
 
-    def read_pages(self, slot: Slot, first: int, count: int) -> list[torch.Tensor]:
-        """Copies of pages first..first+count-1 of every column of every region (copy-on-write)."""
+    def read_pages(self, slot: Slot, first: int, count: int) -> torch.Tensor:
+        """A host copy of pages first..first+count-1 of every column of every region
+        (copy-on-write): one row of bytes per region and column."""
         geo = self.geometry
-        out = []
+        nbytes = count * geo.page_size
+        out = torch.empty(
+            len(self._bytes) * geo.columns, nbytes, dtype=torch.uint8, device=self._bytes[0].device
+        )
+        rows = iter(out)
         for data in self._bytes:
             for c in range(geo.columns):
                 at = geo.page_offset(slot.index, c, first)
-                out.append(data[at : at + count * geo.page_size].clone())
+                next(rows).copy_(data[at : at + nbytes])
+        if self.observer is not None:
+            self.observer.pages_read(out, slot.index, first, count)
         return out
 
-    def write_pages(self, slot: Slot, first: int, saved: list[torch.Tensor]) -> None:
-        """Write read_pages' copies back at the same pages (now mapped to other sets)."""
+    def write_pages(self, slot: Slot, first: int, saved: torch.Tensor) -> None:
+        """Write read_pages' copy back at the same pages (now mapped to other sets)."""
         geo = self.geometry
-        pieces = iter(saved)
+        rows = iter(saved)
         for data in self._bytes:
             for c in range(geo.columns):
-                piece = next(pieces)
+                row = next(rows)
                 at = geo.page_offset(slot.index, c, first)
-                data[at : at + piece.numel()].copy_(piece)
+                data[at : at + row.numel()].copy_(row)
+        if self.observer is not None:
+            self.observer.pages_written(saved, slot.index, first)
+
+    def read_tokens(self, slot: int, length: int) -> torch.Tensor:
+        """A host copy of the slot's first `length` tokens in every K/V view (swap-out):
+        [tensors, length, Hkv, D]."""
+        host = torch.stack([view[slot, :length].to("cpu", copy=True) for view in self.tensors()])
+        if self.observer is not None:
+            self.observer.tokens_read(host, slot, length)
+        return host
+
+    def write_tokens(self, slot: int, host: torch.Tensor) -> None:
+        """Write read_tokens' copy into slot `slot`'s first tokens (swap-in; the pages are mapped)."""
+        for t, view in enumerate(self.tensors()):
+            view[slot, : host.shape[1]] = host[t].to(view.device)
+        if self.observer is not None:
+            self.observer.tokens_written(host, slot)
 
     def return_memory(self, freed_before: float | None) -> None:
         """Give the memory of free sets that were used, free since freed_before (None: any),

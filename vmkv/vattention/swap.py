@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from vmkv.kv_cache import OutOfKVMemory
 from vmkv.vattention.mapping import SlotMapping
 from vmkv.vattention.slots import SlotSeq, SlotTable
@@ -16,9 +14,8 @@ def swap_out(table: SlotTable, mapping: SlotMapping, seqs: Sequence[SlotSeq]) ->
     """Copy each (resident) sequence's KV to host tensors and release its slot and pages."""
     if len({id(seq) for seq in seqs}) != len(seqs):
         raise ValueError("a sequence appears twice in one swap_out")
-    views = mapping.tensors()
     for seq in seqs:
-        seq.host_kv = torch.stack([v[seq.slot, : seq.length].to("cpu", copy=True) for v in views])
+        seq.host_kv = mapping.read_tokens(seq.slot, seq.length)
         table.release(table.slots[seq.slot])
         seq.slot = -1
         mapping.events.swap_out_bytes += seq.host_kv.numel() * seq.host_kv.element_size()
@@ -55,9 +52,7 @@ def swap_in(
             table.release(slot, keep_pages=table.config.deferred_reclamation)
             seq.slot = -1
         raise
-    views = mapping.tensors()
     for seq, slot in zip(seqs, targets, strict=True):
-        for t, view in enumerate(views):
-            view[slot.index, : seq.length] = seq.host_kv[t].to(view.device)
+        mapping.write_tokens(slot.index, seq.host_kv)
         mapping.events.swap_in_bytes += seq.host_kv.numel() * seq.host_kv.element_size()
         seq.host_kv = None
