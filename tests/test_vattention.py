@@ -342,6 +342,18 @@ def test_the_premapped_reserve_stays_within_its_share_and_goes_when_the_cache_is
     cache.close()
 
 
+def test_a_prompt_longer_than_a_reserve_slot_takes_its_other_pages_from_the_reserve() -> None:
+    # four reserve slots of 2 pages (16 tokens); an 80-token prompt needs 10 pages
+    cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=16, premap_fraction=0.25)
+    cache.wait_mapper()
+    assert cache.table.reserve() == 8
+    cache.admit(1, [0] * 80)  # 2 reused, 6 converted from the other slots, 2 free
+    assert cache.slot_pages(1) == 10 and cache.pool.num_sets - cache.pool.free_count == 10
+    assert cache.table.reserve() == 0 and cache.stats().page_sets_reclaimed == 6
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
 def test_premapped_pages_give_way_to_a_sequence_that_needs_them() -> None:
     cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=40, premap_fraction=0.625)
     cache.wait_mapper()

@@ -187,10 +187,27 @@ class SlotTable:
                     self.mapping.map_sets(slot, self.pool.take(want, self.prefer(slot)), background=False)
 
     def take(self, n: int, slot: Slot) -> list[int]:
-        """n free page sets, reclaiming kept pages when the free list is short (checked by require)."""
+        """n page sets for `slot` to map now: the pre-mapped reserve's first (so a sequence that
+        maps converts the reserve instead of adding to the held total, and finds their memory
+        populated), then free ones, reclaiming kept pages when short (checked by require)."""
+        spare = self._release_reserve(n, exclude=slot)
         if n > self.pool.free_count:
             self._reclaim(n - self.pool.free_count, exclude=slot)
-        return self.pool.take(n, self.prefer(slot))
+        return self.pool.take(n, spare[0] if spare else self.prefer(slot))
+
+    def _release_reserve(self, n: int, exclude: Slot) -> list[int]:
+        """Unmap up to n sets from the tails of private idle slots (the reserve), highest slot
+        first (SlotTable.pick prefers the lowest); returns them, now free."""
+        freed: list[int] = []
+        for slot in sorted(self.private_idle(), key=lambda s: -s.index):
+            if len(freed) >= n:
+                break
+            if slot is not exclude:
+                keep = len(slot.sets) - min(n - len(freed), len(slot.sets))
+                freed += slot.sets[keep:]
+                self.mapping.drop_pages(slot, keep)
+        self.mapping.events.page_sets_reclaimed += len(freed)
+        return freed
 
     @staticmethod
     def prefer(slot: Slot) -> int | None:
