@@ -1,9 +1,10 @@
 """Tensor parallelism over gloo, every rank its own process: TP=2 gives TP=1's greedy fp32 outputs
-with preemption, prefix hits, copy-on-write and swap forced, from one KV manager whose decisions
-the other rank repeats on half the KV bytes; configurations that would cut a head are refused;
-a killed rank fails its requests with a clear error, the server answers 503 and no process is
-left behind. In one process, the KV contract's state machine drives rank 0's recording cache
-while a replica fed its log must hold the very same KV after every step."""
+in every KV layout with preemption, prefix hits, copy-on-write and swap forced, from one KV
+manager whose decisions the other rank repeats on half the KV bytes; configurations that would
+cut a head are refused; a killed rank, or one stopped without exiting, fails its requests with a
+clear error, the server answers 503 and no process is left behind. In one process, the KV
+contract's state machine drives rank 0's recording cache while a replica fed its log must hold
+the very same KV after every step."""
 
 from __future__ import annotations
 
@@ -254,11 +255,27 @@ test_a_replica_fed_rank_0_s_log_holds_rank_0_s_kv = pytest.mark.usefixtures("one
 # ----------------------------------------------------------------------------- a rank that dies
 
 
-@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
-def test_killing_a_rank_fails_its_requests_and_the_server_answers_503(
-    tiny_model_dir: Path, engine_process: bool
+# a rank that stops without exiting is taken as hung after this many seconds without a heartbeat
+HUNG_TIMEOUT = 3.0
+LOSSES = {  # how a rank is lost -> what the error says of it
+    "killed": (signal.SIGKILL, "exited (killed by signal 9)"),
+    "stopped": (signal.SIGSTOP, "stopped responding: no heartbeat for"),
+}
+
+
+@pytest.mark.parametrize(
+    ("engine_process", "loss"),
+    [(True, "killed"), (False, "killed"), (True, "stopped")],
+    ids=["engine-process-killed", "engine-thread-killed", "engine-process-stopped"],
+)
+def test_losing_a_rank_fails_its_requests_and_the_server_answers_503(
+    tiny_model_dir: Path, engine_process: bool, loss: str
 ) -> None:
+    """Killed, or stopped without exiting (SIGSTOP): a stopped rank is noticed by its silent
+    heartbeat within the timeout, killed, and reported as hung, not after the group's timeout."""
+    how, said = LOSSES[loss]
     flags = ["--kv-mode", "paged", "--tensor-parallel-size", "2", "--max-model-len", "2048"]
+    flags += ["--tensor-parallel-timeout", str(HUNG_TIMEOUT)]
     flags += [] if engine_process else ["--no-engine-process"]
     with vmkv_serve(tiny_model_dir, *flags) as (process, url), httpx.Client(base_url=url, timeout=60) as http:
         # rank 0 is the engine process, or the server's own process when the engine is a thread
@@ -279,18 +296,21 @@ def test_killing_a_rank_fails_its_requests_and_the_server_answers_503(
         reader = threading.Thread(target=stream)
         reader.start()
         assert first.wait(60)
-        os.kill(worker, signal.SIGKILL)
+        os.kill(worker, how)
         reader.join(timeout=60)
         assert not reader.is_alive(), "the stream should end, not hang"
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
-        assert error["code"] == 503 and f"tensor-parallel rank 1 (pid {worker})" in error["message"], error
+        assert error["code"] == 503 and f"tensor-parallel rank 1 (pid {worker}) {said}" in error["message"], (
+            error
+        )
         refused = http.post("/v1/completions", json={**body, "stream": False})
         assert refused.status_code == 503
         assert "tensor-parallel rank 1" in refused.json()["error"]["message"]
         assert http.get("/health").status_code == 503
         if engine_process:
             wait_until(lambda: not alive(rank_0), 30, "the engine should stop once a rank is gone")
+        wait_until(lambda: not alive(worker), 30, "a stopped rank should not be left behind")
 
 
 def test_killing_rank_0_takes_the_workers_along(tiny_model_dir: Path) -> None:
@@ -312,13 +332,24 @@ def test_killing_rank_0_takes_the_workers_along(tiny_model_dir: Path) -> None:
         engine.shutdown()
 
 
-def test_a_rank_killed_while_the_engine_is_idle_stops_it_with_that_reason(tiny_model_dir: Path) -> None:
-    engine = AsyncProcessLLM(model=str(tiny_model_dir), **BASE, kv_mode="paged", tensor_parallel_size=2)
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_a_rank_lost_while_the_engine_is_idle_stops_it_with_that_reason(
+    tiny_model_dir: Path, loss: str
+) -> None:
+    how, said = LOSSES[loss]
+    engine = AsyncProcessLLM(
+        model=str(tiny_model_dir),
+        **BASE,
+        kv_mode="paged",
+        tensor_parallel_size=2,
+        tensor_parallel_timeout=HUNG_TIMEOUT,
+    )
     try:
         [worker] = children(engine.pid)
-        os.kill(worker, signal.SIGKILL)
+        os.kill(worker, how)
         wait_until(lambda: engine.dead_reason is not None, 30, "an idle engine should notice a lost rank")
-        assert f"tensor-parallel rank 1 (pid {worker}) exited (killed by signal 9)" in engine.dead_reason
+        assert f"tensor-parallel rank 1 (pid {worker}) {said}" in engine.dead_reason
         wait_until(lambda: not alive(engine.pid), 30, "the engine should stop once a rank is gone")
+        wait_until(lambda: not alive(worker), 30, "a stopped rank should not be left behind")
     finally:
         engine.shutdown()

@@ -34,6 +34,7 @@ from vmkv.distributed.sharding import (
     rank_kv_shape,
     shard_model,
 )
+from vmkv.distributed.watchdog import Watchdog
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.kv_factory import build_kv_cache
 from vmkv.kv_cache import KVCache, KVShape
@@ -80,7 +81,9 @@ class TensorParallel:
         self._joined = False
         self._in_forward = False  # set between the step's send and the end of rank 0's forward
         self._closed = False
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self._timeout = config.tensor_parallel_timeout
+        self.watchdog: Watchdog | None = None
+        self._host = host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.store = dist.TCPStore(
             host,
             int(os.environ.get("MASTER_PORT", "0")),
@@ -154,6 +157,7 @@ class TensorParallel:
                     f"tensor-parallel ranks {sorted(waiting)} were not ready in {START_TIMEOUT_SECONDS:.0f} s"
                 )
             time.sleep(POLL_SECONDS)
+        self.watchdog = Watchdog(self._host, self.store.port, self.world_size, self._timeout, self.workers)
 
     def kv_bytes_per_rank(self) -> list[int]:
         """The physical bytes of KV storage each rank holds, rank 0 first."""
@@ -162,8 +166,10 @@ class TensorParallel:
 
     # ---------------------------------------------------------------- steps
     def check_alive(self) -> None:
-        """Raise TensorParallelError naming the first worker of this machine that has exited
-        (a rank on another machine shows only as a failed collective)."""
+        """Raise TensorParallelError naming a rank that stopped responding, or the first worker of
+        this machine that has exited (a rank on another machine shows only as a failed collective)."""
+        if self.watchdog is not None and self.watchdog.reason is not None:
+            raise TensorParallelError(self.watchdog.reason)
         for rank, process in self.workers.items():
             if (code := process.poll()) is not None:
                 raise TensorParallelError(
@@ -214,6 +220,8 @@ class TensorParallel:
         if self._closed:
             return
         self._closed = True
+        if self.watchdog is not None:
+            self.watchdog.close()
         alive = all(p.poll() is None for p in self.workers.values())
         if self._joined and alive and not self._in_forward:
             try:

@@ -4,7 +4,8 @@ It needs only the rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as tor
 them) and finds the engine's config in the store. It holds its share of the model and a
 cache of its KV heads, and loops: receive a step, apply rank 0's KV ops, run the decoder.
 It never samples. It exits when rank 0 says so, when a collective fails (rank 0 or another
-rank died), or when the process that started it is gone.
+rank died), or when the process that started it is gone. A thread beats a heartbeat in the
+store, by which rank 0 tells a hung rank from a busy one (watchdog.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from vmkv.distributed import channel
 from vmkv.distributed.messages import StepMessage
 from vmkv.distributed.replica import VATTENTION_FOLLOWER, Replica
 from vmkv.distributed.sharding import Shard, kv_storage_bytes, rank_config, rank_kv_shape, shard_model
+from vmkv.distributed.watchdog import start_heartbeat
 from vmkv.engine.attention_hook import step_context
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.kv_factory import build_kv_cache
@@ -76,6 +78,7 @@ def main() -> None:
         torch.set_num_threads(config.num_threads)
     else:  # the ranks share the machine's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    start_heartbeat(address, port, rank, config.tensor_parallel_timeout)
     store.set(channel.joined_key(rank), "1")
     group = channel.join(store, rank, world_size, config.device)
     try:

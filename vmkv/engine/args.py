@@ -136,7 +136,7 @@ def add_engine_arguments(
         "--tensor-parallel-size",
         type=positive_int,
         default=d.tensor_parallel_size,
-        help="ranks the model is split over, each with 1/N of its heads and KV (paged, contiguous modes)",
+        help="ranks the model is split over, each with 1/N of its heads and KV",
     )
     add(
         "tensor_parallel_local_ranks",
@@ -144,6 +144,13 @@ def add_engine_arguments(
         type=positive_int,
         default=d.tensor_parallel_local_ranks,
         help="ranks started on this machine (default: all); the rest join from others (docs/scale-out.md)",
+    )
+    add(
+        "tensor_parallel_timeout",
+        "--tensor-parallel-timeout",
+        type=float,
+        default=d.tensor_parallel_timeout,
+        help="seconds without a heartbeat after which a rank is taken as hung and the engine stops",
     )
     missing = {f.name for f in dataclasses.fields(EngineConfig)} - named
     assert not missing, f"EngineConfig fields without a flag: {missing}"
@@ -182,6 +189,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
         "--prefix-caching" if config.enable_prefix_caching else "--no-prefix-caching",
         "--compile" if config.compile_model else "--no-compile",
         "--tensor-parallel-size", str(config.tensor_parallel_size),
+        "--tensor-parallel-timeout", str(config.tensor_parallel_timeout),
     ]  # fmt: skip
     if config.page_size is not None:
         out += ["--page-size", str(config.page_size)]

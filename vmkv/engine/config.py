@@ -50,6 +50,9 @@ class EngineConfig:
     # How many ranks run on this machine (this process and the workers it starts); the others
     # are started on other machines with the rendezvous variables. None: all of them.
     tensor_parallel_local_ranks: int | None = None
+    # Seconds without a heartbeat after which a rank that has not exited (stopped, frozen) is
+    # taken as hung: the engine fails its requests and stops, as for a rank that died.
+    tensor_parallel_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -86,6 +89,9 @@ class EngineConfig:
                 f"tensor_parallel_local_ranks must be None or 1..tensor_parallel_size "
                 f"({self.tensor_parallel_size}), got {local!r}"
             )
+        timeout = self.tensor_parallel_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"tensor_parallel_timeout must be a positive number of seconds, got {timeout!r}")
         if self.tensor_parallel_size > 1 and self.compile_model:
             raise ValueError("compile_model is not supported with tensor_parallel_size > 1 yet")
         if self.max_num_batched_tokens < self.max_num_seqs:
