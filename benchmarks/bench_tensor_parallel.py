@@ -2,6 +2,7 @@
 
     python benchmarks/bench_tensor_parallel.py                         # default model, TP=3
     python benchmarks/bench_tensor_parallel.py --tiny --tensor-parallel-size 2
+    python benchmarks/bench_tensor_parallel.py --kv-mode vattention    # any KV layout (default paged)
     python benchmarks/bench_tensor_parallel.py --collectives            # the two collectives alone
 
 The same greedy workload (`requests` random prompts submitted at once) runs on one rank and
@@ -33,6 +34,7 @@ from transformers import AutoConfig
 
 from vmkv.distributed import channel
 from vmkv.distributed.messages import PagedStep, StepMessage
+from vmkv.distributed.sharding import kv_storage_bytes
 from vmkv.engine import LLM, SamplingParams
 from vmkv.model.store import resolve_model
 from vmkv.model.tiny import build_tiny_model
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace, model: str, prompts: list[list[int]], tp: int)
                 "kv_bytes_per_rank": engine.tp.kv_bytes_per_rank(),
             }
         else:
-            result["kv_bytes_per_rank"] = [engine.cache.memory().reserved_bytes]
+            result["kv_bytes_per_rank"] = [kv_storage_bytes(engine.cache)]
         return result
     finally:
         llm.close()
@@ -135,7 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny random Llama instead")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: 3, or 2 with --tiny")
-    parser.add_argument("--kv-mode", choices=["paged", "contiguous"], default="paged")
+    parser.add_argument("--kv-mode", choices=["paged", "contiguous", "vattention"], default="paged")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=16)
