@@ -9,10 +9,9 @@ which holds the same blocks or slots for their own KV heads.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -43,7 +42,7 @@ class OpLog:
     add() and take() hold it, so no op lands in a list already sent.
     """
 
-    def __init__(self, lock: threading.RLock | None = None) -> None:
+    def __init__(self, lock: AbstractContextManager[object] | None = None) -> None:
         self.ops: list[KVOp] = []
         self.steps: list[tuple[int, int, int]] = []
         self.step: PagedStep | SlotStep | VAttentionStep | None = None
