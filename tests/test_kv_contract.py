@@ -206,7 +206,7 @@ class ContractLifecycle(RuleBasedStateMachine):
         """A prompt repeating what some sequence computed (a page-aligned part of it, or all but
         the end), with or without a tail and under its salt or none: where hits happen."""
         tokens, salt = data.draw(st.sampled_from(self.history))
-        prompt = list(tokens[:cut]) + tail
+        prompt = (list(tokens[:cut]) + tail)[:MAX_LEN]  # a tail on a full-length history would not fit
         if prompt:
             self.admit_prompt(prompt, data.draw(st.sampled_from([salt, None])))
 
