@@ -4,6 +4,7 @@ memory and the KV layout's units moved from the first third of the run to the la
 the server held once idle. Exits 1 if anything failed, leaked or grew past the bounds.
 
     python benchmarks/soak.py --seconds 180 --rate 4 [--modes vattention,paged,contiguous]
+        [--burst N]      (N of the longest requests at once a third of the way in)
         [--model PATH]   (default: a tiny random Llama, built on the fly)
 """
 
@@ -27,13 +28,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=180.0)
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--modes", default="vattention,paged,contiguous")
+    parser.add_argument("--burst", type=int, default=0, help="requests of an overload a third of the way in")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the tiny model)")
     parser.add_argument("--out", type=Path, default=None, help="write every sample as JSON here")
     args = parser.parse_args()
     model = args.model or str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-llama"))
     ok, results = True, []
     for mode in args.modes.split(","):
-        result = run_soak(SoakConfig(model=model, kv_mode=mode, seconds=args.seconds, rate=args.rate))
+        config = SoakConfig(model=model, kv_mode=mode, seconds=args.seconds, rate=args.rate, burst=args.burst)
+        result = run_soak(config)
         print(result.summary(), flush=True)
         for failure in result.failed[:5]:
             print("  failed:", failure)

@@ -4,7 +4,9 @@ resident memory and the KV layout's mapped pages / blocks are sampled from /proc
 
 Passing means: nothing failed, the server went idle with every KV byte freed and its whole
 capacity free, and neither resident memory nor the layout's units grew from the first third of
-the run (after warm-up) to the last. `benchmarks/soak.py` runs it for minutes; a few seconds of
+the run (after warm-up) to the last. With `burst`, an overload lands a third of the way in
+(many of the longest requests at once), so the last third also shows whether memory came back
+after it. `benchmarks/soak.py` runs it for minutes; a few seconds of
 it run in the test suite (tests/test_soak.py).
 """
 
@@ -39,6 +41,10 @@ class SoakConfig:
     max_prompt_tokens: int = 120
     seed: int = 0
     sample_every: float = 1.0  # seconds between memory samples
+    # An overload in the middle of the run: this many requests of the longest prompt and
+    # max_tokens at once, when a third of the run has passed. The last third then shows
+    # whether memory came back after it.
+    burst: int = 0
     server_args: tuple[str, ...] = (
         *("--dtype", "float32", "--max-model-len", "256", "--kv-budget-mib", "16"),
         "--no-compile",  # leaks do not depend on it, and a run should not start with a minute's compile
@@ -54,6 +60,7 @@ class Sample:
     kv_units_in_use: float  # pages (vattention), blocks (paged), slots (contiguous)
     kv_pages_mapped: float  # vattention's page mappings; 0 elsewhere
     running: float
+    waiting: float
 
 
 @dataclass
@@ -77,10 +84,30 @@ class SoakResult:
     def leaked_bytes(self) -> float:
         return self.idle.get("vmkv:kv_cache_used_bytes", 0.0)
 
+    def burst_report(self) -> str:
+        """RSS just before the burst, at its peak and over the last third (what it came back to)."""
+        c, samples = self.config, self.samples
+        if not c.burst:
+            return ""
+        at = c.seconds / 3
+        before = [s for s in samples if s.t < at][-3:] or samples[:1]
+        third = samples[-max(1, len(samples) // 3) :]
+        parts = []
+        for name, label in (("server_rss_mib", "server"), ("engine_rss_mib", "engine")):
+            base = statistics.median(getattr(s, name) for s in before)
+            peak = max(getattr(s, name) for s in samples if s.t >= at)
+            last = statistics.median(getattr(s, name) for s in third)
+            parts.append(f"{label} RSS {base:.0f} -> peak {peak:.0f} -> {last:.0f} MiB")
+        queued = max(s.running + s.waiting for s in samples)
+        return f"burst of {c.burst} at {at:.0f} s (up to {queued:.0f} requests in the engine): " + ", ".join(
+            parts
+        )
+
     def summary(self) -> str:
         c, samples = self.config, self.samples
         peak_server = max(s.server_rss_mib for s in samples)
         peak_engine = max(s.engine_rss_mib for s in samples)
+        burst = f"; {self.burst_report()}" if c.burst else ""
         return (
             f"{c.kv_mode}: {c.seconds:.0f} s at {c.rate} req/s: completed {self.completed}, "
             f"disconnected {self.disconnected}, failed {len(self.failed)}; growth first -> last third: "
@@ -90,7 +117,7 @@ class SoakResult:
             f"{self.growth('kv_units_in_use'):+.1f}, pages mapped {self.growth('kv_pages_mapped'):+.1f}; "
             f"idle at the end: running {self.idle.get('vllm:num_requests_running', -1):.0f}, "
             f"KV used {self.leaked_bytes:.0f} B; peak RSS server {peak_server:.0f} MiB, "
-            f"engine {peak_engine:.0f} MiB"
+            f"engine {peak_engine:.0f} MiB{burst}"
         )
 
 
@@ -179,19 +206,26 @@ class Server:
 
 
 async def one_request(
-    client: httpx.AsyncClient, config: SoakConfig, rng: random.Random, result: SoakResult
+    client: httpx.AsyncClient,
+    config: SoakConfig,
+    rng: random.Random,
+    result: SoakResult,
+    longest: bool = False,
 ) -> None:
-    """A random completion: streamed or not, maybe with a stop string, maybe abandoned."""
+    """A random completion: streamed or not, maybe with a stop string, maybe abandoned.
+    longest: the burst's kind, the longest prompt and max_tokens, run to the end."""
+    prompt_len = config.max_prompt_tokens if longest else rng.randrange(4, config.max_prompt_tokens)
     body = {
         "model": Path(config.model).name,
-        "prompt": [rng.randrange(5, 250) for _ in range(rng.randrange(4, config.max_prompt_tokens))],
-        "max_tokens": rng.randrange(1, config.max_tokens),
+        "prompt": [rng.randrange(5, 250) for _ in range(prompt_len)],
+        "max_tokens": config.max_tokens if longest else rng.randrange(1, config.max_tokens),
         "temperature": rng.choice([0.0, 0.8]),
         "stream": rng.random() < 0.6,
     }
-    if rng.random() < config.stop_share:
+    if not longest and rng.random() < config.stop_share:
         body["stop"] = [rng.choice(STOPS)]
-    hang_up_after = rng.randrange(1, 6) if rng.random() < config.disconnect_share else None
+    hang_up = not longest and rng.random() < config.disconnect_share
+    hang_up_after = rng.randrange(1, 6) if hang_up else None
     try:
         if body["stream"]:
             async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -242,6 +276,7 @@ async def sample_loop(
                 kv_units_in_use=metrics.get("vmkv:kv_units_in_use", 0.0),
                 kv_pages_mapped=metrics.get("vmkv:kv_pages_mapped", 0.0),
                 running=metrics.get("vllm:num_requests_running", 0.0),
+                waiting=metrics.get("vllm:num_requests_waiting", 0.0),
             )
         )
         await asyncio.sleep(config.sample_every)
@@ -255,11 +290,19 @@ async def drive(server: Server, config: SoakConfig) -> SoakResult:
         t0 = time.monotonic()
         sampler = asyncio.ensure_future(sample_loop(server, client, config, result, t0))
         tasks = []
-        n = 0
+        n, burst_due = 0, config.burst > 0
         while (now := time.monotonic() - t0) < config.seconds:
             tasks.append(
                 asyncio.ensure_future(one_request(client, config, random.Random(rng.random()), result))
             )
+            if burst_due and now >= config.seconds / 3:
+                burst_due = False
+                tasks += [
+                    asyncio.ensure_future(
+                        one_request(client, config, random.Random(rng.random()), result, True)
+                    )
+                    for _ in range(config.burst)
+                ]
             n += 1
             await asyncio.sleep(max(0.0, n / config.rate - now))
         await asyncio.gather(*tasks)
