@@ -1,8 +1,9 @@
 """Mapping ahead of need, so the step thread rarely maps: look-ahead for the next step's
-tokens, group padding, and pre-mapped idle slots for the next admissions. Jobs take free page
-sets only (never reclaiming), are dropped when their slot changed owner since they were
-queued, and run on the background mapper's thread (mapper.py) or, without one, inline. The
-caller holds the cache's lock."""
+tokens, group padding, and pre-mapped idle slots for the next admissions (the reserve). Jobs
+take free page sets only, never reclaiming kept pages (the reserve may evict least recently
+used cached chunks at the held peak: _room_for_reserve), are dropped when their slot changed
+owner since they were queued, and run on the background mapper's thread (mapper.py) or,
+without one, inline. The caller holds the cache's lock."""
 
 from __future__ import annotations
 
