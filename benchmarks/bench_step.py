@@ -153,14 +153,22 @@ def measure(llm: LLM, sections: list[str], rng: random.Random, vocab: int) -> di
 
 
 def decode_step_ms(llm: LLM, prompts: list[list[int]]) -> float:
-    """Median time of decode-only steps once every sequence has its prompt in the cache."""
+    """Median time of decode-only steps of every sequence at once, after all the prompts are in
+    the cache. The first sequences decode while the last prompts are prefilled (about 20 steps
+    for 64 x 300 tokens), so max_tokens leaves room for that: with too few, early sequences
+    finished before the timed steps and those timed ~30 sequences, not 64."""
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=STEP_SAMPLES + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=STEP_SAMPLES + 64, ignore_eos=True)
     ids = [f"step64-{i}" for i in range(len(prompts))]
     for request_id, p in zip(ids, prompts, strict=True):
         engine.add_request(request_id, p, params)
     while engine.scheduler.waiting or any(g.is_prefilling for g in engine.scheduler.running):
         engine.step()
+    if len(engine.scheduler.running) != len(prompts):
+        raise RuntimeError(
+            f"{len(engine.scheduler.running)} of {len(prompts)} sequences running after prefill "
+            "(preempted or finished): the step would not be a batch of all of them"
+        )
     times = []
     for _ in range(STEP_SAMPLES):
         start = time.perf_counter()
