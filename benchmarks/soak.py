@@ -5,6 +5,7 @@ the server held once idle. Exits 1 if anything failed, leaked or grew past the b
 
     python benchmarks/soak.py --seconds 180 --rate 4 [--modes vattention,paged,contiguous]
         [--burst N]      (N of the longest requests at once a third of the way in)
+        [--kv-budget-mib M]   (default 16: the tiny model's runs map, evict and preempt)
         [--model PATH]   (default: a tiny random Llama, built on the fly)
 """
 
@@ -29,13 +30,21 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--modes", default="vattention,paged,contiguous")
     parser.add_argument("--burst", type=int, default=0, help="requests of an overload a third of the way in")
+    parser.add_argument("--kv-budget-mib", type=int, default=16)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the tiny model)")
     parser.add_argument("--out", type=Path, default=None, help="write every sample as JSON here")
     args = parser.parse_args()
     model = args.model or str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-llama"))
     ok, results = True, []
     for mode in args.modes.split(","):
-        config = SoakConfig(model=model, kv_mode=mode, seconds=args.seconds, rate=args.rate, burst=args.burst)
+        config = SoakConfig(
+            model=model,
+            kv_mode=mode,
+            seconds=args.seconds,
+            rate=args.rate,
+            burst=args.burst,
+            kv_budget_mib=args.kv_budget_mib,
+        )
         result = run_soak(config)
         print(result.summary(), flush=True)
         for failure in result.failed[:5]:

@@ -45,8 +45,9 @@ class SoakConfig:
     # max_tokens at once, when a third of the run has passed. The last third then shows
     # whether memory came back after it.
     burst: int = 0
+    kv_budget_mib: int = 16  # small, so the tiny model's runs map, evict and preempt
     server_args: tuple[str, ...] = (
-        *("--dtype", "float32", "--max-model-len", "256", "--kv-budget-mib", "16"),
+        *("--dtype", "float32", "--max-model-len", "256"),
         "--no-compile",  # leaks do not depend on it, and a run should not start with a minute's compile
     )
 
@@ -176,6 +177,7 @@ class Server:
             "1",
             "--log-level",
             "warning",
+            *("--kv-budget-mib", str(config.kv_budget_mib)),
             *config.server_args,
         ]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
