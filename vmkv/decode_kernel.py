@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
 from dataclasses import dataclass
 
 import torch
 
 from vmkv.decode_kernel_source import SOURCE
-from vmkv.native_build import build_c_library
+from vmkv.native_build import load_c_library
 
 log = logging.getLogger(__name__)
 
@@ -179,15 +178,13 @@ def load_decode_kernel(
         log.warning("no CPU decode kernel for %s, group %d, head_dim %d; using torch", dtype, group, head_dim)
     else:
         defines = [f"-D{_DTYPE_MACROS[dtype]}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]
-        try:
-            library = ctypes.CDLL(str(build_c_library("decode", SOURCE, [*_FLAGS, *extra_flags, *defines])))
+        flags = [*_FLAGS, *extra_flags, *defines]
+        library = load_c_library("decode", SOURCE, flags, "CPU decode kernel unavailable, using torch")
+        if library is not None:
             function = library.decode_attention
             function.restype = ctypes.c_int
             p = ctypes.c_void_p
             function.argtypes = [p, p, p, p, p, ctypes.c_float, ctypes.c_int, p, p]
             kernel = DecodeKernel(function, library, dtype, group, head_dim)
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
-            log.warning("CPU decode kernel unavailable, using torch: %s", detail)
     _loaded[key] = kernel
     return kernel

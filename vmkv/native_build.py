@@ -1,21 +1,27 @@
-"""Builds the C kernels (decode and prefill attention) once per source, flags and CPU.
+"""Builds the native kernels once per source, flags and machine: the C attention kernels
+(decode, prefill) and the C++ linear operator (engine/gemv_kernel.py).
 
-A kernel is compiled with the system C compiler (`$CC`, default `cc`) the first time it is
-used, into `$XDG_CACHE_HOME/vmkv/kernels` (default `~/.cache`), under a hash of the source,
-the flags and this CPU's feature flags: later processes load it in milliseconds, and a cache
-directory shared by different CPUs never hands one a binary built with the other's
-`-march=native`.
+A kernel is compiled the first time it is used, into `$XDG_CACHE_HOME/vmkv/kernels` (default
+`~/.cache`), under a hash of the source and what its binary depends on (the flags, and this
+CPU's feature flags for `-march=native` builds or torch's version for an operator built
+against its headers): later processes load it in milliseconds, and a cache directory shared
+by different CPUs never hands one a binary built for the other.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def kernel_cache_dir() -> Path:
@@ -32,24 +38,50 @@ def cpu_identity() -> str:
         return platform.machine() + platform.processor()
 
 
-def build_c_library(stem: str, source: str, flags: list[str]) -> Path:
-    """Compile `source` into a shared library, or reuse an earlier build of the same source,
-    flags and CPU. Raises FileNotFoundError without a compiler, CalledProcessError (its stderr
-    says why) when compilation fails."""
-    key = "\n".join([source, " ".join(flags), cpu_identity()])
+def build_library(
+    stem: str, source: str, suffix: str, depends_on: list[str], command: Callable[[Path, Path], list[str]]
+) -> Path:
+    """Compile `source` (written to a file ending in suffix) with command(source file, target)
+    into a shared library, or reuse an earlier build of the same source and depends_on.
+    Raises what `command` raises (FileNotFoundError without a compiler) or CalledProcessError
+    (its stderr says why) when compilation fails."""
+    key = "\n".join([source, *depends_on])
     target = kernel_cache_dir() / f"{stem}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     if target.exists():
         return target
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise FileNotFoundError("no C compiler found (install one or set CC)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / f"{stem}.c"
+        src, built = Path(tmp) / f"{stem}{suffix}", Path(tmp) / target.name
         src.write_text(source)
-        built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *flags, "-o", str(built), str(src), "-lm"], check=True, capture_output=True, text=True
-        )
+        subprocess.run(command(src, built), check=True, capture_output=True, text=True)
         os.replace(built, target)  # atomic: concurrent builders leave one complete file
     return target
+
+
+def build_c_library(stem: str, source: str, flags: list[str]) -> Path:
+    """build_library for C source with the system C compiler (`$CC`, default `cc`)."""
+
+    def command(src: Path, target: Path) -> list[str]:
+        compiler = shutil.which(os.environ.get("CC", "cc"))
+        if compiler is None:
+            raise FileNotFoundError("no C compiler found (install one or set CC)")
+        return [compiler, *flags, "-o", str(target), str(src), "-lm"]
+
+    return build_library(stem, source, ".c", [" ".join(flags), cpu_identity()], command)
+
+
+def load_c_library(stem: str, source: str, flags: list[str], unavailable: str) -> ctypes.CDLL | None:
+    """build_c_library, loaded; None where it cannot be built or loaded, after a warning that
+    starts with `unavailable` and says why."""
+    try:
+        return ctypes.CDLL(str(build_c_library(stem, source, flags)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        log.warning("%s: %s", unavailable, build_failure(e))
+        return None
+
+
+def build_failure(error: Exception) -> str:
+    """Why a build or load failed: the compiler's last output, or the error itself."""
+    if isinstance(error, subprocess.CalledProcessError):
+        return error.stderr.strip()[-2000:]
+    return str(error)

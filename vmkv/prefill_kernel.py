@@ -9,29 +9,22 @@ runs SDPA, which stays the reference and the path on every other machine.
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
 from functools import cache
 
 import torch
 
-from vmkv.native_build import build_c_library
+from vmkv.native_build import load_c_library
 from vmkv.prefill_kernel_source import SOURCE
-
-log = logging.getLogger(__name__)
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
 
 
 @cache
 def _load(group: int, head_dim: int) -> ctypes._CFuncPtr | None:
-    try:
-        library = ctypes.CDLL(
-            str(build_c_library("prefill", SOURCE, [*_FLAGS, f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]))
-        )
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = e.stderr.strip()[-2000:] if isinstance(e, subprocess.CalledProcessError) else str(e)
-        log.warning("CPU prefill kernel unavailable, prefill attention uses SDPA: %s", detail)
+    flags = [*_FLAGS, f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]
+    unavailable = "CPU prefill kernel unavailable, prefill attention uses SDPA"
+    library = load_c_library("prefill", SOURCE, flags, unavailable)
+    if library is None:
         return None
     function = library.prefill_attention
     function.restype = ctypes.c_int

@@ -15,25 +15,25 @@ calls. Through a Python `torch.library.custom_op` each cost ~20 µs beyond the k
 (~4 ms of a ~21 ms step); registered in C++ the dispatcher reaches the kernel in ~3 µs,
 eager or compiled (inductor calls the operator from its generated code).
 
-Built with the system C++ compiler against torch's headers (~10 s) on first use into
-`$XDG_CACHE_HOME/vmkv/kernels`, keyed by a hash of the source, flags and torch version.
+Built with the system C++ compiler against torch's headers (~10 s) on first use and cached
+per source, flags and torch version (vmkv/native_build.py).
 Where it cannot be built or the CPU lacks AVX512-BF16, `register()` defines the same
 operator in Python over oneDNN alone, so callers never see the difference.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import sysconfig
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
+
+from vmkv.native_build import build_failure, build_library
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +175,7 @@ def _load_native() -> bool:
     try:
         torch.ops.load_library(str(_build()))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        detail = e.stderr.strip()[-2000:] if isinstance(e, subprocess.CalledProcessError) else str(e)
-        log.warning("bf16 GEMV kernel unavailable, decode linears use oneDNN: %s", detail)
+        log.warning("bf16 GEMV kernel unavailable, decode linears use oneDNN: %s", build_failure(e))
         return False
     return True
 
@@ -206,15 +205,5 @@ def _compile_command(source: Path, target: Path) -> list[str]:
 
 def _build() -> Path:
     """Compile the source, or reuse an earlier build of the same source, flags and torch."""
-    key = "\n".join([SOURCE, " ".join(_FLAGS), torch.__version__])
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vmkv" / "kernels"
-    target = root / f"packed_linear_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        src, built = Path(tmp) / "packed_linear.cpp", Path(tmp) / target.name
-        src.write_text(SOURCE)
-        subprocess.run(_compile_command(src, built), check=True, capture_output=True, text=True)
-        os.replace(built, target)  # atomic: concurrent builders leave one complete file
-    return target
+    depends_on = [" ".join(_FLAGS), torch.__version__]
+    return build_library("packed_linear", SOURCE, ".cpp", depends_on, _compile_command)
