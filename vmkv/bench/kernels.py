@@ -152,14 +152,19 @@ class VirtualLayout:
             view[:, :context] = source
             self.views.append(view)
             self.blocks.append(flat.view(-1, shape.block_size, h, d))
-        blocks_per_slot = self.slot_bytes // (shape.block_size * tb)
-        width = -(-context // shape.block_size)
-        tables = torch.arange(width) + blocks_per_slot * torch.arange(batch)[:, None]
-        self.tables = tables.to(torch.int32).to(case.k.device)
+        self.tables = _identity_tables(case, shape, self.slot_bytes // (shape.block_size * tb))
 
     def close(self) -> None:
         self.views, self.blocks = [], []
         self.driver.close()
+
+
+def _identity_tables(case: DecodeCase, shape: AttentionShape, blocks_per_slot: int) -> torch.Tensor:
+    """int32 [batch, blocks of the context]: slot b's block i is block b * blocks_per_slot + i."""
+    batch, context = case.k.shape[:2]
+    width = -(-context // shape.block_size)
+    tables = torch.arange(width) + blocks_per_slot * torch.arange(batch)[:, None]
+    return tables.to(torch.int32).to(case.k.device)
 
 
 class PackedLayout:
@@ -200,10 +205,7 @@ class PackedLayout:
             self.blocks.append(
                 start.as_strided((num_blocks, bs, h, d), (bs * token_elems, token_elems, d, 1))
             )
-        blocks_per_slot = self.slot_bytes // (bs * tb)
-        width = -(-context // bs)
-        tables = torch.arange(width) + blocks_per_slot * torch.arange(batch)[:, None]
-        self.tables = tables.to(torch.int32).to(case.k.device)
+        self.tables = _identity_tables(case, shape, self.slot_bytes // (bs * tb))
 
     def close(self) -> None:
         self.views, self.blocks = [], []
