@@ -42,12 +42,15 @@ def make_cache(sets: int = 8, **options: object) -> VAttentionKVCache:
 
 
 def compute(cache: VAttentionKVCache, seq_id: int, start: int, end: int, seed: int) -> None:
-    """One step writing random K/V for tokens start..end-1 of the sequence."""
+    """One step writing random K/V for tokens start..end-1 of the sequence (two query heads
+    per KV head, whatever the cache's shape)."""
     gen = torch.Generator().manual_seed(seed)
+    shape = cache.shape
     plan = cache.prepare(StepBatch.build([SeqStep(seq_id, start, end - start)]))
-    for layer in range(SHAPE.num_layers):
-        k, v = (torch.randn(end - start, 2, 16, generator=gen) for _ in range(2))
-        cache.attend(layer, torch.randn(end - start, 4, 16, generator=gen), k, v, plan, 0.25)
+    for layer in range(shape.num_layers):
+        k, v = (torch.randn(end - start, shape.num_kv_heads, shape.head_dim, generator=gen) for _ in range(2))
+        q = torch.randn(end - start, 2 * shape.num_kv_heads, shape.head_dim, generator=gen)
+        cache.attend(layer, q, k, v, plan, 0.25)
     cache.finish_step(plan)
 
 
@@ -208,16 +211,6 @@ def make_packed_cache() -> VAttentionKVCache:
     )
 
 
-def compute_packed(cache: VAttentionKVCache, seq_id: int, start: int, end: int, seed: int) -> None:
-    """One step writing random K/V for tokens start..end-1 of a make_packed_cache sequence."""
-    gen = torch.Generator().manual_seed(seed)
-    plan = cache.prepare(StepBatch.build([SeqStep(seq_id, start, end - start)]))
-    for layer in range(PACKED_SHAPE.num_layers):
-        k, v = (torch.randn(end - start, 1, 16, generator=gen) for _ in range(2))
-        cache.attend(layer, torch.randn(end - start, 2, 16, generator=gen), k, v, plan, 0.25)
-    cache.finish_step(plan)
-
-
 def test_a_packed_hit_ending_mid_token_reuses_whole_tokens_and_copies_the_last_page() -> None:
     """384 B packed tokens (3 layers, one 16-wide head, fp32): 10.67 a 4 KiB page, a chunk is 2
     pages whose key covers the token straddling its end; a hit on two chunks reuses the 42
@@ -230,14 +223,14 @@ def test_a_packed_hit_ending_mid_token_reuses_whole_tokens_and_copies_the_last_p
 
     prompt = list(range(1, 81))
     cache.admit(0, prompt)
-    compute_packed(cache, 0, 0, 80, seed=0)
+    compute(cache, 0, 0, 80, seed=0)
     before = kv(0, 80)
     assert cache.admit(1, prompt[:50] + [999] * 10) == 42
     a, b = (cache.table.slots[cache.seqs[i].slot].sets for i in (0, 1))
     assert a[:3] == b[:3] and a[3] != b[3] and cache.stats().cow_copies == 1
     for x, y in zip(kv(1, 42), before, strict=True):
         torch.testing.assert_close(x, y[:42], rtol=0, atol=0)
-    compute_packed(cache, 1, 42, 60, seed=1)
+    compute(cache, 1, 42, 60, seed=1)
     for x, y in zip(kv(0, 80), before, strict=True):  # the original is untouched
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     cache.close()
@@ -251,7 +244,7 @@ def test_every_page_counted_available_can_be_reclaimed_after_a_packed_hit() -> N
     cache = make_packed_cache()
     prompt = list(range(1, 81))
     cache.admit(0, prompt)
-    compute_packed(cache, 0, 0, 80, seed=0)
+    compute(cache, 0, 0, 80, seed=0)
     assert cache.admit(1, prompt[:50] + [999] * 10) == 42  # page 3 copied on write
     cache.free(0)  # its slot keeps its pages; the chunks stay indexed
     promised = cache.table.available()
