@@ -6,8 +6,8 @@ Passing means: nothing failed, the server went idle with every KV byte freed and
 capacity free, and neither resident memory nor the layout's units grew from the first third of
 the run (after warm-up) to the last. With `burst`, an overload lands a third of the way in
 (many of the longest requests at once), so the last third also shows whether memory came back
-after it. `benchmarks/soak.py` runs it for minutes; a few seconds of
-it run in the test suite (tests/test_soak.py).
+after it. `benchmarks/soak.py` runs it for minutes; a few seconds of it run in the test
+suite (tests/test_soak.py).
 """
 
 from __future__ import annotations
@@ -100,15 +100,14 @@ class SoakResult:
             last = statistics.median(getattr(s, name) for s in third)
             parts.append(f"{label} RSS {base:.0f} -> peak {peak:.0f} -> {last:.0f} MiB")
         queued = max(s.running + s.waiting for s in samples)
-        return f"burst of {c.burst} at {at:.0f} s (up to {queued:.0f} requests in the engine): " + ", ".join(
-            parts
-        )
+        head = f"burst of {c.burst} at {at:.0f} s (up to {queued:.0f} requests in the engine)"
+        return f"{head}: {', '.join(parts)}"
 
     def summary(self) -> str:
         c, samples = self.config, self.samples
         peak_server = max(s.server_rss_mib for s in samples)
         peak_engine = max(s.engine_rss_mib for s in samples)
-        burst = f"; {self.burst_report()}" if c.burst else ""
+        burst = f"; {report}" if (report := self.burst_report()) else ""
         return (
             f"{c.kv_mode}: {c.seconds:.0f} s at {c.rate} req/s: completed {self.completed}, "
             f"disconnected {self.disconnected}, failed {len(self.failed)}; growth first -> last third: "
