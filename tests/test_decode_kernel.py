@@ -66,12 +66,20 @@ def _layouts(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator) -> dict[str
     }
 
 
-def _check(dtype: torch.dtype, group: int, num_kv: int, head_dim: int, lens: list[int], flags: tuple) -> None:
+def _check(
+    dtype: torch.dtype,
+    group: int,
+    num_kv: int,
+    head_dim: int,
+    lens: list[int],
+    flags: tuple,
+    q_scale: float = 1.0,
+) -> None:
     kernel = _kernel(dtype, group, head_dim, flags)
     gen = torch.Generator().manual_seed(sum(lens))
     b, length = len(lens), max(lens)
     rows = torch.randperm(b + 3, generator=gen)[:b]  # query rows anywhere in the packed batch
-    q = torch.randn(b + 3, num_kv * group, head_dim, generator=gen).to(dtype)
+    q = (q_scale * torch.randn(b + 3, num_kv * group, head_dim, generator=gen)).to(dtype)
     k = torch.randn(b, length, num_kv, head_dim, generator=gen).to(dtype)
     v = torch.randn(b, length, num_kv, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
@@ -96,7 +104,7 @@ def _check(dtype: torch.dtype, group: int, num_kv: int, head_dim: int, lens: lis
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
 )
-@pytest.mark.parametrize(("group", "num_kv", "head_dim"), [(3, 3, 64), (1, 2, 16), (4, 1, 32)])
+@pytest.mark.parametrize(("group", "num_kv", "head_dim"), [(3, 3, 64), (1, 2, 16), (4, 1, 32), (4, 2, 128)])
 def test_kernel_matches_reference_on_every_layout(
     dtype: torch.dtype, group: int, num_kv: int, head_dim: int, flags: tuple
 ) -> None:
@@ -115,6 +123,13 @@ def test_long_contexts_split_over_threads_and_combine(dtype: torch.dtype, flags:
         _check(dtype, 3, 3, 64, [1001, 613], flags)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("flags", VARIANTS)
+def test_large_scores_keep_the_running_maximum_exact(flags: tuple) -> None:
+    """Queries 30x larger make scores of a few hundred: the softmax is nearly one-hot and the
+    running maximum moves between tiles, so every rescaling of the partial state is exercised."""
+    _check(torch.bfloat16, 3, 3, 64, [1, 40, 300, 613], flags, q_scale=30.0)
 
 
 def test_kernel_refuses_a_plan_for_other_strides() -> None:
