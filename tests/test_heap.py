@@ -1,6 +1,7 @@
 """Resident memory after an overload: the engine gives the C heap's free pages back to the OS each
-time its last request leaves (finished, failed or aborted), and resident memory returns near
-where it was before the burst."""
+time its last request leaves (finished, failed or aborted) and, while requests keep arriving,
+at most once every BUSY_TRIM_SECONDS after a step; resident memory returns near where it was
+before the burst."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from vmkv import heap
 from vmkv.engine import LLM, SamplingParams
-from vmkv.engine import llm_engine as llm_engine_module
 from vmkv.heap import trim_heap
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -24,7 +25,7 @@ def test_the_heap_is_trimmed_once_when_the_last_request_leaves(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     trims = []
-    monkeypatch.setattr(llm_engine_module, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(1))
     llm = LLM(
         str(tiny_model_dir), kv_mode="paged", dtype="float32", kv_budget_bytes=1 << 22, max_model_len=128
     )
@@ -34,6 +35,39 @@ def test_the_heap_is_trimmed_once_when_the_last_request_leaves(
     llm.engine.add_request("a", [5, 6, 7], params)
     llm.engine.abort_request("a")
     assert trims == [1, 1]  # an abort that empties the engine trims too
+    llm.close()
+
+
+def test_a_busy_engine_trims_between_steps_at_most_once_per_interval(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a steady load the engine never empties; the soak's plateau after a burst was the
+    heap's free memory, kept until then."""
+    trims: list[int] = []
+    monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(heap, "BUSY_TRIM_SECONDS", 0.0)
+    llm = LLM(
+        str(tiny_model_dir), kv_mode="paged", dtype="float32", kv_budget_bytes=1 << 22, max_model_len=128
+    )
+    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    busy_steps = busy_trims = 0
+    while engine.has_unfinished_requests():  # a new request each step: the engine never empties
+        trimmed = len(trims)
+        engine.step()
+        if engine.num_steps < 6:
+            engine.add_request(f"r{engine.num_steps}", [5, 6, 7], params)
+        if engine.has_unfinished_requests():
+            busy_steps, busy_trims = busy_steps + 1, busy_trims + len(trims) - trimmed
+    assert busy_steps >= 6 and busy_trims == busy_steps, (busy_steps, busy_trims)
+    llm.close()
+    monkeypatch.setattr(heap, "BUSY_TRIM_SECONDS", 3600.0)
+    llm = LLM(
+        str(tiny_model_dir), kv_mode="paged", dtype="float32", kv_budget_bytes=1 << 22, max_model_len=128
+    )
+    trims.clear()
+    llm.generate([[5, 6, 7]] * 6, params)
+    assert trims == [1]  # within the interval: only the trim when the engine emptied
     llm.close()
 
 

@@ -30,7 +30,7 @@ from vmkv.engine.scheduler import ScheduledSeq, Scheduler
 from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
 from vmkv.engine.stop_strings import find_stop
 from vmkv.engine.structured_output import GrammarCompiler
-from vmkv.heap import trim_heap
+from vmkv.heap import HeapTrimmer
 from vmkv.kv_cache import KVMemory, KVStats
 from vmkv.model.store import load_tokenizer, resolve_model
 
@@ -118,6 +118,7 @@ class LLMEngine:
         self.peak_running_seqs = 0
         self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
         self._forward_failures: dict[str, int] = {}  # request id -> failed forwards in a row
+        self._heap = HeapTrimmer()  # what the steps freed goes back to the OS (vmkv/heap.py)
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -256,6 +257,7 @@ class LLMEngine:
         for group in {id(g): g for g in groups if id(g) not in failed}.values():
             self.scheduler.release_finished(group)
             outputs.append(self._retire(group) if group.finished else group.output())
+        self._heap.trim_if_due()
         return self._checked(outputs)
 
     def stats(self) -> EngineStats:
@@ -471,7 +473,7 @@ class LLMEngine:
         for seq in group.seqs:
             del self._group_of[seq.seq_id]
         if not self._groups:  # the last request left: what the steps freed goes back to the OS
-            trim_heap()
+            self._heap.trim()
         return group.output()
 
 
