@@ -1,14 +1,18 @@
 """Decode and prefill attention per layer on both layouts, against the memory roofline.
 
-The roofline of a decode call is the K/V bytes it must read (batch x context x 768 B for
-SmolLM2-135M's 3 KV heads x 64 x bf16, K and V) divided by this machine's copy bandwidth
-(2 x bytes / time of a 256 MiB tensor copy, the STREAM convention), measured in the same
-rounds as the kernels. Every column runs once per round, rounds interleave (A B A B ...)
-so drift on a shared machine hits all columns alike, and the tables show medians of one
-`attend` call of layer 0 (Python overhead included: the engine makes one per layer per
-step). Columns:
+The roofline of a decode call is the K/V bytes it must read (batch x context x 768 B per
+layer for SmolLM2-135M's 3 KV heads x 64 x bf16, K and V) divided by this machine's copy
+bandwidth (2 x bytes / time of a 256 MiB tensor copy, the STREAM convention), measured in the
+same rounds as the kernels. Every column runs once per round, rounds interleave (A B A B ...)
+so drift on a shared machine hits all columns alike, and the tables show medians. A decode
+sample attends as many layers in turn as read at least 96 MiB (so K/V comes from memory, not
+from a cache that held the previous call's, as in an engine step), one `attend` call each
+(Python overhead included: the engine makes one per layer per step), and is divided by that
+number of layers. Columns:
 
-- vattention kernel (head-/token-major): the CPU decode kernel on the virtual slots;
+- vattention kernel (head-/token-major/layer-packed): the CPU decode kernel on the virtual
+  slots; layer-packed (vattention's default order) holds all 30 layers of a token together,
+  so a layer's rows of consecutive tokens are 23 KB apart;
 - vattention sdpa: stock SDPA on the same virtual memory (attention="sdpa", head-major);
 - paged kernel / paged torch: the CPU decode kernel through the block table, and
   gather + SDPA (blocks scattered as after a long run).
@@ -36,21 +40,30 @@ from vmkv.vattention import VAttentionKVCache
 
 KV_HEADS, Q_HEADS, HEAD_DIM, DTYPE = 3, 9, 64, torch.bfloat16
 SCALE = HEAD_DIM**-0.5
-SHAPE = KVShape(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=DTYPE)
+MODEL_LAYERS = 30  # SmolLM2-135M's: the layer-packed order's token holds all of them
 COPY_BYTES = 256 << 20
+DECODE_READ_BYTES = 96 << 20  # per sample: 3x this machine's L3
 
 
-def make_cache(kind: str, max_len: int, tokens: int) -> KVCache:
-    budget = 2 * (tokens + 64 * max_len // 16) * SHAPE.bytes_per_token + (64 << 20)
+def shape(num_layers: int = 1) -> KVShape:
+    return KVShape(num_layers=num_layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=DTYPE)
+
+
+def make_cache(kind: str, max_len: int, tokens: int, num_layers: int = 1) -> KVCache:
+    """A cache for `tokens` tokens of num_layers layers (MODEL_LAYERS for the layer-packed order,
+    whose geometry depends on them)."""
+    layers = MODEL_LAYERS if "packed" in kind else num_layers
+    kv_shape = shape(layers)
+    budget = 2 * (tokens + 64 * max_len // 16) * kv_shape.bytes_per_token + (64 << 20)
     if kind.startswith("paged"):
         attention = "cpu_kernel" if kind == "paged kernel" else "torch"
-        cache = PagedKVCache(SHAPE, max_len, budget, enable_prefix_caching=False, attention=attention)
+        cache = PagedKVCache(kv_shape, max_len, budget, enable_prefix_caching=False, attention=attention)
         cache.kv.normal_()
         random.Random(0).shuffle(cache.pool.plain_free)  # blocks scattered as after a long run
         return cache
-    order = "token" if "token" in kind else "head"
+    order = next((o for o in ("token", "packed") if o in kind), "head")
     attention = "sdpa" if "sdpa" in kind else "cpu_kernel"
-    return VAttentionKVCache(SHAPE, max_len, budget, order=order, attention=attention)
+    return VAttentionKVCache(kv_shape, max_len, budget, order=order, attention=attention)
 
 
 def admit_all(cache: KVCache, lens: list[int], num_new: int) -> StepBatch:
@@ -63,13 +76,19 @@ def admit_all(cache: KVCache, lens: list[int], num_new: int) -> StepBatch:
     return StepBatch.build([SeqStep(i, n - num_new, num_new) for i, n in enumerate(lens)])
 
 
-def attend_runner(cache: KVCache, batch: StepBatch) -> Callable[[], None]:
+def attend_runner(cache: KVCache, batch: StepBatch, layers: int = 1) -> Callable[[], None]:
+    """One call per layer 0..layers-1, as a step makes them."""
     gen = torch.Generator().manual_seed(0)
     t = batch.num_tokens
     q = torch.randn(t, Q_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
     k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
     plan = cache.prepare(batch)
-    return lambda: cache.attend(0, q, k, k, plan, SCALE)
+
+    def run() -> None:
+        for layer in range(layers):
+            cache.attend(layer, q, k, k, plan, SCALE)
+
+    return run
 
 
 def copy_runner() -> Callable[[], None]:
@@ -94,41 +113,47 @@ def interleaved_medians(runners: dict[str, Callable[[], None]], rounds: int) -> 
 DECODE = [
     "vattention kernel (head-major)",
     "vattention kernel (token-major)",
+    "vattention kernel (layer-packed)",
     "vattention sdpa",
     "paged kernel",
 ]
+VATTENTION_KERNELS = DECODE[:3]
 
 
 def decode_table(batch: int, contexts: list[int], rounds: int, with_torch: bool) -> None:
     kinds = DECODE + (["paged torch"] if with_torch else [])
-    header = ["context", "K/V MB", "copy GB/s", "roofline ms", *(f"{k} ms" for k in kinds)]
-    header += ["kernel / roofline (head, token, paged)", "vattention kernel vs paged kernel"]
+    header = ["context", "layers read", "K/V MB per layer", "copy GB/s", "roofline ms"]
+    header += [f"{k} ms" for k in kinds]
+    header += ["kernel / roofline (head, token, packed, paged)", "best vattention kernel vs paged kernel"]
     rows = []
     for context in contexts:
         lens = [context] * batch
-        caches = {k: make_cache(k, context, batch * context) for k in kinds}
+        layer_bytes = batch * context * shape().bytes_per_token
+        layers = min(MODEL_LAYERS, -(-DECODE_READ_BYTES // layer_bytes))
+        caches = {k: make_cache(k, context, batch * context, layers) for k in kinds}
         try:
             runners = {"copy": copy_runner()}
-            runners |= {k: attend_runner(c, admit_all(c, lens, 1)) for k, c in caches.items()}
+            runners |= {k: attend_runner(c, admit_all(c, lens, 1), layers) for k, c in caches.items()}
             t = interleaved_medians(runners, rounds)
         finally:
             for c in caches.values():
                 c.close()
+        per_layer = {k: v / layers for k, v in t.items()}
         bandwidth = 2 * COPY_BYTES / t["copy"]
-        kv_bytes = batch * context * SHAPE.bytes_per_token_per_layer
-        roof = kv_bytes / bandwidth
-        ratios = ", ".join(f"{t[k] / roof:.2f}x" for k in (DECODE[0], DECODE[1], "paged kernel"))
-        speedup = t["paged kernel"] / min(t[DECODE[0]], t[DECODE[1]])
+        roof = layer_bytes / bandwidth
+        ratios = ", ".join(f"{per_layer[k] / roof:.2f}x" for k in (*VATTENTION_KERNELS, "paged kernel"))
+        speedup = per_layer["paged kernel"] / min(per_layer[k] for k in VATTENTION_KERNELS)
+        sizes = [str(context), str(layers), f"{layer_bytes / 1e6:.1f}", f"{bandwidth / 1e9:.1f}"]
         rows.append(
-            [str(context), f"{kv_bytes / 1e6:.1f}", f"{bandwidth / 1e9:.1f}", f"{roof * 1e3:.3f}"]
-            + [f"{t[k] * 1e3:.3f}" for k in kinds]
+            [*sizes, f"{roof * 1e3:.3f}"]
+            + [f"{per_layer[k] * 1e3:.3f}" for k in kinds]
             + [ratios, f"{speedup:.2f}x"]
         )
     print_table(f"Decode attention per layer, batch {batch}, {torch.get_num_threads()} threads", header, rows)
 
 
 def prefill_table(prompt: int, rounds: int) -> None:
-    kinds = ["vattention kernel (head-major)", "vattention kernel (token-major)", "paged kernel"]
+    kinds = [*VATTENTION_KERNELS, "paged kernel"]
     header = ["step", *(f"{k} ms" for k in kinds), "paged / vattention (head-major)"]
     rows = []
     for name, num_new in (
