@@ -34,7 +34,6 @@ from vmkv.kv_cache import KVCache, SeqStep, StepBatch
 from vmkv.paging import PagedKVCache
 from vmkv.paging.swap import copy_from_host, copy_to_host
 from vmkv.vattention import VAttentionKVCache
-from vmkv.vattention.mapping import Slot
 
 # a follower's vattention cache maps nothing of its own accord: no mapper, pre-mapping or trimming
 VATTENTION_FOLLOWER = {"background_mapping": False, "kept_idle_seconds": None, "pressure_min_available": 0.0}
@@ -102,11 +101,11 @@ class Replica:
             case UnmapPages(slot, first, count):
                 mapping.unmap_at(slot, first, count)
             case CopyPages(src, dst, first, count):
-                mapping.copy_pages(Slot(src), Slot(dst), first, count)
+                mapping.copy_pages(src, dst, first, count)
             case PagesToHost(key, slot, first, count):
-                self.hosts[key] = mapping.read_pages(Slot(slot), first, count)
+                self.hosts[key] = mapping.read_pages(slot, first, count)
             case PagesFromHost(key, slot, first):
-                mapping.write_pages(Slot(slot), first, self.hosts[key])
+                mapping.write_pages(slot, first, self.hosts[key])
             case SlotToHost(key, slot, length):
                 self.hosts[key] = mapping.read_tokens(slot, length)
             case HostToSlot(key, slot):

@@ -188,19 +188,19 @@ class SlotMapping:
         if self.observer is not None:
             self.observer.unmapped(slot, first, count)
 
-    def copy_pages(self, src: Slot, dst: Slot, first: int, count: int) -> None:
-        """Copy pages first..first+count-1 of every column of every region from src to dst."""
+    def copy_pages(self, src: int, dst: int, first: int, count: int) -> None:
+        """Copy pages first..first+count-1 of every column of every region from slot src to dst."""
         geo = self.geometry
         start, nbytes = first * geo.page_size, count * geo.page_size
         for data in self._bytes:
             for c in range(geo.columns):
-                to = geo.page_offset(dst.index, c, 0) + start
-                from_ = geo.page_offset(src.index, c, 0) + start
+                to = geo.page_offset(dst, c, 0) + start
+                from_ = geo.page_offset(src, c, 0) + start
                 data[to : to + nbytes].copy_(data[from_ : from_ + nbytes])
         if self.observer is not None:
-            self.observer.copied(src.index, dst.index, first, count)
+            self.observer.copied(src, dst, first, count)
 
-    def read_pages(self, slot: Slot, first: int, count: int) -> torch.Tensor:
+    def read_pages(self, slot: int, first: int, count: int) -> torch.Tensor:
         """A host copy of pages first..first+count-1 of every column of every region
         (copy-on-write): one row of bytes per region and column."""
         geo = self.geometry
@@ -211,23 +211,23 @@ class SlotMapping:
         rows = iter(out)
         for data in self._bytes:
             for c in range(geo.columns):
-                at = geo.page_offset(slot.index, c, first)
+                at = geo.page_offset(slot, c, first)
                 next(rows).copy_(data[at : at + nbytes])
         if self.observer is not None:
-            self.observer.pages_read(out, slot.index, first, count)
+            self.observer.pages_read(out, slot, first, count)
         return out
 
-    def write_pages(self, slot: Slot, first: int, saved: torch.Tensor) -> None:
+    def write_pages(self, slot: int, first: int, saved: torch.Tensor) -> None:
         """Write read_pages' copy back at the same pages (now mapped to other sets)."""
         geo = self.geometry
         rows = iter(saved)
         for data in self._bytes:
             for c in range(geo.columns):
                 row = next(rows)
-                at = geo.page_offset(slot.index, c, first)
+                at = geo.page_offset(slot, c, first)
                 data[at : at + row.numel()].copy_(row)
         if self.observer is not None:
-            self.observer.pages_written(saved, slot.index, first)
+            self.observer.pages_written(saved, slot, first)
 
     def read_tokens(self, slot: int, length: int) -> torch.Tensor:
         """A host copy of the slot's first `length` tokens in every K/V view (swap-out):

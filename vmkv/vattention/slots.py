@@ -134,7 +134,7 @@ class SlotTable:
             self.release(slot)
             del self.seqs[child_id]
             raise
-        mapping.copy_pages(src, slot, len(shared), copied)
+        mapping.copy_pages(src.index, slot.index, len(shared), copied)
         mapping.events.fork_shared_pages += len(shared) * geo.units
         mapping.events.fork_copied_pages += copied * geo.units
 
@@ -153,10 +153,10 @@ class SlotTable:
         mapped at the same pages and the bytes written back. Nobody else sees any change. The
         caller checked that the fresh sets can be found (require)."""
         count = len(slot.sets) - first
-        saved = self.mapping.read_pages(slot, first, count)
+        saved = self.mapping.read_pages(slot.index, first, count)
         self.mapping.drop_pages(slot, first)
         self.mapping.map_sets(slot, self.take(count, slot), background=False)
-        self.mapping.write_pages(slot, first, saved)
+        self.mapping.write_pages(slot.index, first, saved)
         self.mapping.events.cow_copies += count * self.geometry.units
 
     def mappers(self, running_only: bool = False) -> dict[int, int]:
