@@ -85,20 +85,30 @@ class SoakResult:
     def leaked_bytes(self) -> float:
         return self.idle.get("vmkv:kv_cache_used_bytes", 0.0)
 
+    def around_burst(self, name: str) -> tuple[float, float, float]:
+        """A sample's value just before the burst (median of the last three), its peak after it,
+        and the median over the last third of the run (what it came back to)."""
+        at, samples = self.config.seconds / 3, self.samples
+        before = [s for s in samples if s.t < at][-3:] or samples[:1]
+        third = samples[-max(1, len(samples) // 3) :]
+        return (
+            statistics.median(getattr(s, name) for s in before),
+            max(getattr(s, name) for s in samples if s.t >= at),
+            statistics.median(getattr(s, name) for s in third),
+        )
+
     def burst_report(self) -> str:
-        """RSS just before the burst, at its peak and over the last third (what it came back to)."""
+        """RSS and KV allocated just before the burst, at their peak and over the last third."""
         c, samples = self.config, self.samples
         if not c.burst:
             return ""
         at = c.seconds / 3
-        before = [s for s in samples if s.t < at][-3:] or samples[:1]
-        third = samples[-max(1, len(samples) // 3) :]
         parts = []
-        for name, label in (("server_rss_mib", "server"), ("engine_rss_mib", "engine")):
-            base = statistics.median(getattr(s, name) for s in before)
-            peak = max(getattr(s, name) for s in samples if s.t >= at)
-            last = statistics.median(getattr(s, name) for s in third)
-            parts.append(f"{label} RSS {base:.0f} -> peak {peak:.0f} -> {last:.0f} MiB")
+        for name, label in (("server_rss_mib", "server RSS"), ("engine_rss_mib", "engine RSS")):
+            base, peak, last = self.around_burst(name)
+            parts.append(f"{label} {base:.0f} -> peak {peak:.0f} -> {last:.0f} MiB")
+        base, peak, last = (b / 2**20 for b in self.around_burst("kv_allocated_bytes"))
+        parts.append(f"KV allocated {base:.1f} -> peak {peak:.1f} -> {last:.1f} MiB")
         queued = max(s.running + s.waiting for s in samples)
         head = f"burst of {c.burst} at {at:.0f} s (up to {queued:.0f} requests in the engine)"
         return f"{head}: {', '.join(parts)}"
