@@ -41,6 +41,12 @@ from vmkv.engine.cpu_linear import has_native_half_gemm
 from vmkv.model.store import resolve_model
 
 SECTIONS = ("tpot", "prefill", "step64", "throughput")
+# A pause after each target, and the targets in a new order every round: OpenMP runtimes keep
+# their threads spinning after work (the peer's preloaded libiomp5 for KMP_BLOCKTIME, 200 ms by
+# default) and a finished run's memory is given back in the background, which took the cores
+# from whichever target came next: with a fixed order, vattention eager (always right after the
+# peer) read 23-30 ms per token at 300 tokens of context against 21-25 ms at 2,000.
+SETTLE_SECONDS = 1.0
 TPOT_CONTEXTS = (300, 2000)
 PREFILL_LEN = 1000
 DECODE_TOKENS = 32  # tokens timed per batch-1 TPOT sample
@@ -87,12 +93,16 @@ def main() -> None:
     targets = build_targets(args, model, dtype)
     vocab = next(iter(targets.values())).engine.runner.vocab_size
     peer = Peer(args.peer_python, model, dtype, vocab) if args.peer_python else None
-    rng = random.Random(0)
+    rng, order = random.Random(0), random.Random(1)
     results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for round_index in range(args.rounds):
-        samples = {name: measure(llm, args.sections, rng, vocab) for name, llm in targets.items()}
+        samples = {}
+        for name in order.sample(list(targets), len(targets)):  # no target always follows the peer
+            samples[name] = measure(targets[name], args.sections, rng, vocab)
+            time.sleep(SETTLE_SECONDS)
         if peer is not None and {"tpot", "prefill"} & set(args.sections):
             samples["vLLM"] = peer.round()
+            time.sleep(SETTLE_SECONDS)
         for name, figures in samples.items():
             for key, value in figures.items():
                 results[key][name].append(value)
