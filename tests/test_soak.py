@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vmkv.bench.soak import SoakConfig, run_soak
+from vmkv.bench.soak import SoakConfig, is_error_event, run_soak
 from vmkv.engine.config import KV_MODES
 
 
@@ -28,3 +28,13 @@ def test_a_short_soak_completes_everything_and_frees_everything(tiny_model_dir: 
         assert result.growth(process) < 16, result.summary()
         before, _, after = result.around_burst(process)  # came back after the burst
         assert after - before < 16, result.summary()
+
+
+def test_only_an_error_object_counts_as_a_failed_stream() -> None:
+    """A completion whose text is the word "error" once failed a healthy request in the soak."""
+    text = '{"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "error"}]}'
+    failure = '{"error": {"message": "the engine died", "type": "server_error", "param": null, "code": 503}}'
+    assert not is_error_event(f"data: {text}")
+    assert is_error_event(f"data: {failure}")
+    assert not is_error_event("data: [DONE]")
+    assert not is_error_event("")
