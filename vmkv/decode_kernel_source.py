@@ -105,12 +105,31 @@ static inline vf exp2_v(vf x) {
     return select_v(low, splat(0.f), p);
 }
 
-/* Lane i of the result = sum of all lanes of a[i]: a transposing tree, log2(V) levels. */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+/* SH shuffles two V-lane vectors, SH8 two 8-lane ones */
 #if defined(__clang__) || __GNUC__ >= 12
 #define SH(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define SH8 SH
 #else  /* older GCC: the same shuffles with a mask vector (checked by forcing this branch on GCC 12) */
 #define SH(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#define SH8(a, b, ...) __builtin_shuffle(a, b, (vi8){__VA_ARGS__})
 #endif
+
+/* Lane i of the result = sum of all 8 lanes of a[i] (a transposing tree, 3 levels); the
+   8-lane case of reduce_rows, and the AVX512-BF16 path's 256-bit scores. */
+static inline vf8 reduce8(const vf8* a) {
+    vf8 b[4], c[2];
+    for (int j = 0; j < 4; j++)
+        b[j] = SH8(a[2*j], a[2*j+1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + SH8(a[2*j], a[2*j+1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int j = 0; j < 2; j++)
+        c[j] = SH8(b[2*j], b[2*j+1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + SH8(b[2*j], b[2*j+1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return SH8(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) + SH8(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+/* Lane i of the result = sum of all lanes of a[i]: a transposing tree, log2(V) levels. */
 static inline vf reduce_rows(vf* a) {
 #if V == 16
     vf b[8], c[4], d[2];
@@ -126,14 +145,7 @@ static inline vf reduce_rows(vf* a) {
     return SH(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
          + SH(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 #else
-    vf b[4], c[2];
-    for (int j = 0; j < 4; j++)
-        b[j] = SH(a[2*j], a[2*j+1], 0, 1, 2, 3, 8, 9, 10, 11)
-             + SH(a[2*j], a[2*j+1], 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int j = 0; j < 2; j++)
-        c[j] = SH(b[2*j], b[2*j+1], 0, 1, 4, 5, 8, 9, 12, 13)
-             + SH(b[2*j], b[2*j+1], 2, 3, 6, 7, 10, 11, 14, 15);
-    return SH(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) + SH(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+    return reduce8(a);
 #endif
 }
 /* Lane 0 of the result = max / sum over all lanes (log2(V) shuffles, not V extracts). */
@@ -197,22 +209,8 @@ typedef struct { const kv_t* v[V]; vf s[GROUP]; } tile_t;
      store_acc puts them back in natural order. */
 typedef __m256bh qrow_t[HEAD_DIM / 16];
 typedef uint32_t weights_t[V / 2];  /* P of tokens (2j, 2j+1) as two bf16 */
-typedef float vf8 __attribute__((vector_size(32)));
-
 static inline void load_q(const kv_t* q, qrow_t r) {
     for (int c = 0; c < HEAD_DIM / 16; c++) r[c] = (__m256bh)_mm256_loadu_si256((const __m256i*)(q + c * 16));
-}
-
-/* Lane i of the result = sum of all 8 lanes of a[i]. */
-static inline vf8 reduce8(const vf8* a) {
-    vf8 b[4], c[2];
-    for (int j = 0; j < 4; j++)
-        b[j] = SH(a[2*j], a[2*j+1], 0, 1, 2, 3, 8, 9, 10, 11)
-             + SH(a[2*j], a[2*j+1], 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int j = 0; j < 2; j++)
-        c[j] = SH(b[2*j], b[2*j+1], 0, 1, 4, 5, 8, 9, 12, 13)
-             + SH(b[2*j], b[2*j+1], 2, 3, 6, 7, 10, 11, 14, 15);
-    return SH(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) + SH(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
 static inline void score_rows(const kv_t* const* kr, const qrow_t* q, vf* sums) {
@@ -227,8 +225,8 @@ static inline void score_rows(const kv_t* const* kr, const qrow_t* q, vf* sums) 
         for (int g = 0; g < GROUP; g++) memcpy(&part[g][i], &d[g], sizeof(vf8));
     }
     for (int g = 0; g < GROUP; g++) {
-        const vf8 lo = reduce8(part[g]), hi = reduce8(part[g] + 8);
-        sums[g] = SH(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const vf8 half[2] = {reduce8(part[g]), reduce8(part[g] + 8)};
+        memcpy(&sums[g], half, sizeof half);
     }
 }
 
