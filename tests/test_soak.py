@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vmkv.bench.soak import SoakConfig, is_error_event, run_soak
+from vmkv.bench.soak import Sample, SoakConfig, SoakResult, is_error_event, run_soak
 from vmkv.engine.config import KV_MODES
 
 
@@ -38,3 +38,26 @@ def test_only_an_error_object_counts_as_a_failed_stream() -> None:
     assert is_error_event(f"data: {failure}")
     assert not is_error_event("data: [DONE]")
     assert not is_error_event("")
+
+
+def test_engine_growth_is_judged_beyond_the_pages_the_cache_mapped() -> None:
+    """vattention keeps freed pages mapped for reuse: RSS that grows with its mapped pages is the
+    cache's, RSS beyond them is not. 60 samples; from the middle on the engine holds 40 MiB
+    more, of which 32 MiB are 512 more mapped pages of 64 KiB."""
+    page = 64 << 10
+    samples = [
+        Sample(
+            t=float(i),
+            server_rss_mib=500.0,
+            engine_rss_mib=1000.0 + (40.0 if i >= 30 else 0.0),
+            kv_allocated_bytes=(100 + (512 if i >= 30 else 0)) * page,
+            kv_units_in_use=100 + (512 if i >= 30 else 0),
+            kv_pages_mapped=100 + (512 if i >= 30 else 0),
+            running=1.0,
+            waiting=0.0,
+        )
+        for i in range(60)
+    ]
+    result = SoakResult(SoakConfig(model="m", kv_mode="vattention"), samples=samples)
+    assert result.growth("engine_rss_mib") == 40.0
+    assert result.engine_growth_beyond_mappings() == 8.0

@@ -82,6 +82,15 @@ class SoakResult:
         third = max(1, (len(values) - start) // 3)
         return statistics.median(values[-third:]) - statistics.median(values[start : start + third])
 
+    def engine_growth_beyond_mappings(self) -> float:
+        """Engine RSS growth (MiB) beyond the KV pages the cache mapped into it meanwhile.
+        vattention maps pages on demand and keeps freed ones for reuse (on /metrics as allocated
+        and mapped), so that part of its RSS is the cache's by design, bounded by the budget;
+        paged and contiguous map nothing (their pools are allocated up front)."""
+        held = [s for s in self.samples if s.kv_units_in_use]
+        page_bytes = held[0].kv_allocated_bytes / held[0].kv_units_in_use if held else 0.0
+        return self.growth("engine_rss_mib") - self.growth("kv_pages_mapped") * page_bytes / 2**20
+
     @property
     def leaked_bytes(self) -> float:
         return self.idle.get("vmkv:kv_cache_used_bytes", 0.0)
@@ -123,7 +132,8 @@ class SoakResult:
             f"{c.kv_mode}: {c.seconds:.0f} s at {c.rate} req/s: completed {self.completed}, "
             f"disconnected {self.disconnected}, failed {len(self.failed)}; growth first -> last third: "
             f"server RSS {self.growth('server_rss_mib'):+.1f} MiB, engine RSS "
-            f"{self.growth('engine_rss_mib'):+.1f} MiB, KV allocated "
+            f"{self.growth('engine_rss_mib'):+.1f} MiB "
+            f"({self.engine_growth_beyond_mappings():+.1f} beyond KV mappings), KV allocated "
             f"{self.growth('kv_allocated_bytes') / 2**20:+.2f} MiB, units in use "
             f"{self.growth('kv_units_in_use'):+.1f}, pages mapped {self.growth('kv_pages_mapped'):+.1f}; "
             f"idle at the end: running {self.idle.get('vllm:num_requests_running', -1):.0f}, "
