@@ -343,6 +343,9 @@ static void write_out(kv_t* o, const partial_t* st) {
 }
 #endif
 
+/* Tokens in the tile starting at t of a range ending at t1. */
+static inline int tile_len(int64_t t, int64_t t1) { return t1 - t < V ? (int)(t1 - t) : V; }
+
 /* The tile of n tokens at the cursor: its V rows and scores. */
 static inline void score_tile(tile_t* tl, cursor_t* cur, const kv_t* kc, const kv_t* vc, int n,
                               const qrow_t* q, float scale2) {
@@ -384,9 +387,9 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
     cursor_start(&ahead, p, b, t0);
     int64_t fetched = t0;
     tile_t tiles[2];
-    score_tile(&tiles[0], &cur, kc, vc, t1 - t0 < V ? (int)(t1 - t0) : V, qr, scale2);
+    score_tile(&tiles[0], &cur, kc, vc, tile_len(t0, t1), qr, scale2);
     for (int64_t t = t0, k = 0; t < t1; t += V, k ^= 1) {
-        const int n = t1 - t < V ? (int)(t1 - t) : V;
+        const int n = tile_len(t, t1);
         const tile_t* tl = &tiles[k];
         weights_t w[GROUP];
         for (int g = 0; g < GROUP; g++) {
@@ -409,10 +412,7 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
                 __builtin_prefetch((const char*)(vc + r) + c, 0, 1);
             }
         }
-        if (t + V < t1) {
-            const int next = t1 - t - V < V ? (int)(t1 - t - V) : V;
-            score_tile(&tiles[k ^ 1], &cur, kc, vc, next, qr, scale2);
-        }
+        if (t + V < t1) score_tile(&tiles[k ^ 1], &cur, kc, vc, tile_len(t + V, t1), qr, scale2);
         accumulate_pv(acc, tl, n, w);
     }
     for (int g = 0; g < GROUP; g++) {
