@@ -36,6 +36,7 @@ def test_only_an_error_object_counts_as_a_failed_stream() -> None:
     failure = '{"error": {"message": "the engine died", "type": "server_error", "param": null, "code": 503}}'
     assert not is_error_event(f"data: {text}")
     assert is_error_event(f"data: {failure}")
+    assert is_error_event("data: {truncated")  # a stream no client could read is a failure too
     assert not is_error_event("data: [DONE]")
     assert not is_error_event("")
 

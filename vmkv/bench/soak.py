@@ -284,11 +284,15 @@ async def one_request(
 
 
 def is_error_event(line: str) -> bool:
-    """An SSE event carrying an OpenAI-style error object (a completion whose text is the word
-    "error" is not one: matching the substring once failed a healthy request)."""
+    """An SSE event carrying an OpenAI-style error object, or one no client could read (a
+    completion whose text is the word "error" is not one: matching the substring once failed a
+    healthy request)."""
     if not line.startswith("data: ") or line == "data: [DONE]":
         return False
-    return "error" in json.loads(line.removeprefix("data: "))
+    try:
+        return "error" in json.loads(line.removeprefix("data: "))
+    except json.JSONDecodeError:
+        return True
 
 
 async def sample_loop(
