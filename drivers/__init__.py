@@ -13,7 +13,7 @@ from .errors import (
     PoolExhaustedError,
     RawCallError,
 )
-from .host import DEFAULT_PAGE_SIZE, HostDriver
+from .host import DEFAULT_PAGE_SIZE, HostDriver, huge_page_size, shmem_huge_pages
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",
@@ -31,4 +31,6 @@ __all__ = [
     "PoolExhaustedError",
     "RawCallError",
     "Reservation",
+    "huge_page_size",
+    "shmem_huge_pages",
 ]

@@ -3,6 +3,12 @@
 The pool is one memfd; mapping places pool pages into a PROT_NONE reservation with
 MAP_SHARED|MAP_FIXED; unmapping swaps a fresh PROT_NONE reservation back in with
 MAP_FIXED, so the range is never a hole another mmap could take.
+
+With pages that are whole huge pages (2 MiB on x86), reservations start on a huge-page
+boundary and every mapping asks for transparent huge pages (madvise MADV_HUGEPAGE) before it
+is first touched, so where the kernel lets shared memory have them (shmem_huge_pages()) one
+TLB entry covers a page, as on a GPU. A layer-packed K/V row of a token sits 23 KB after the
+previous one, so at 4 KiB OS pages every token of a layer is a TLB miss (docs/vattention.md).
 """
 
 from __future__ import annotations
@@ -25,11 +31,47 @@ MAP_FIXED = 0x10
 MAP_ANONYMOUS = 0x20
 MAP_NORESERVE = 0x4000
 MAP_POPULATE = 0x8000
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 DEFAULT_PAGE_SIZE = 64 * 1024
+THP_SYSFS = "/sys/kernel/mm/transparent_hugepage"
+
+
+def _sysfs_choice(path: str) -> str:
+    """The bracketed choice of a sysfs selector ("always [advise] never" -> "advise"), or ""."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
+
+
+def huge_page_size() -> int:
+    """The size of a PMD-mapped transparent huge page (2 MiB on x86-64), 0 without THP."""
+    try:
+        with open(f"{THP_SYSFS}/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+def shmem_huge_pages() -> bool:
+    """True when the kernel gives shared memory (a memfd) huge pages for an madvise'd range.
+
+    The global shmem_enabled policy decides unless the per-size one overrides it ("inherit");
+    "never" is the common default, and then pages stay 4 KiB whatever the driver asks.
+    """
+    size = huge_page_size()
+    if not size:
+        return False
+    per_size = _sysfs_choice(f"{THP_SYSFS}/hugepages-{size // 1024}kB/shmem_enabled")
+    policy = _sysfs_choice(f"{THP_SYSFS}/shmem_enabled") if per_size in ("", "inherit") else per_size
+    return policy in ("always", "within_size", "advise", "force")
 
 
 def _load_libc() -> ctypes.CDLL:
@@ -45,6 +87,8 @@ def _load_libc() -> ctypes.CDLL:
     ]
     libc.munmap.restype = ctypes.c_int
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.restype = ctypes.c_int
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.fallocate.restype = ctypes.c_int
     libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
     return libc
@@ -61,8 +105,9 @@ def _errno_error(what: str) -> RawCallError:
 class HostDriver(MemoryDriver):
     """Physical pages from one memfd, mapped into reserved virtual ranges on demand.
 
-    page_size: any multiple of the OS page size (default 64 KiB; 2 MiB works).
-    populate: pre-fault pages when mapping (MAP_POPULATE) so first touch does not fault.
+    page_size: any multiple of the OS page size (default 64 KiB; 2 MiB works, and a multiple of
+        the huge page size asks for huge pages: `huge_pages`).
+    populate: pre-fault pages when mapping so first touch does not fault.
     preallocate: back the whole pool up front (posix_fallocate) so mapping never finds
         the machine out of memory later.
     """
@@ -87,6 +132,9 @@ class HostDriver(MemoryDriver):
             )
         super().__init__(page_size, num_pages, debug)
         self.populate = populate
+        huge = huge_page_size()
+        self.huge_pages = bool(huge) and page_size % huge == 0  # asked for; shmem_huge_pages() grants
+        self._align = huge if self.huge_pages else os_page
         self._fd = os.memfd_create("vmkv-pool", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, num_pages * page_size)
@@ -105,17 +153,33 @@ class HostDriver(MemoryDriver):
         return got
 
     def _raw_reserve(self, size: int) -> int:
-        return self._mmap(0, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0, "reserve")
+        """A PROT_NONE range starting on a multiple of self._align (over-reserve, trim the ends)."""
+        extra = self._align - mmap.PAGESIZE
+        flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+        base = self._mmap(0, size + extra, PROT_NONE, flags, -1, 0, "reserve")
+        start = -(-base // self._align) * self._align
+        for addr, length in ((base, start - base), (start + size, base + extra - start)):
+            if length:
+                self._raw_release(addr, length)
+        return start
 
     def _raw_release(self, base: int, size: int) -> None:
         if _libc.munmap(base, size):
             raise _errno_error("munmap")
 
     def _raw_map(self, addr: int, first_page: int, num_pages: int) -> None:
-        flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
-        self._mmap(
-            addr, num_pages * self.page_size, PROT_RW, flags, self._fd, first_page * self.page_size, "map"
-        )
+        size, offset = num_pages * self.page_size, first_page * self.page_size
+        if not self.huge_pages:
+            flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
+            self._mmap(addr, size, PROT_RW, flags, self._fd, offset, "map")
+            return
+        # The huge-page hint must precede the first touch, so populate after it. The hint is
+        # advice: a kernel without THP refuses it and the mapping stays at 4 KiB pages.
+        self._mmap(addr, size, PROT_RW, MAP_SHARED | MAP_FIXED, self._fd, offset, "map")
+        _libc.madvise(addr, size, MADV_HUGEPAGE)
+        if self.populate and _libc.madvise(addr, size, MADV_POPULATE_WRITE):
+            flags = MAP_SHARED | MAP_FIXED | MAP_POPULATE  # before Linux 5.14: at 4 KiB pages
+            self._mmap(addr, size, PROT_RW, flags, self._fd, offset, "map")
 
     def _raw_unmap(self, addr: int, num_pages: int) -> None:
         self._mmap(

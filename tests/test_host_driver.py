@@ -25,6 +25,8 @@ from vmkv.drivers import (
     NotMappedError,
     PageStateError,
     PoolExhaustedError,
+    huge_page_size,
+    shmem_huge_pages,
 )
 
 PS = 64 * 1024
@@ -408,6 +410,43 @@ def test_two_mib_pages():
         d.map(res, 0, [c])
         assert bool((v[0] == 0).all())
         assert vma(res.base + 2 * MIB2)[0] == "---p"
+
+
+def vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping holding addr ("hg": madvise(MADV_HUGEPAGE) was asked)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()
+        if "-" in head[0] and ":" not in head[0]:
+            start, end = (int(x, 16) for x in head[0].split("-"))
+            inside = start <= addr < end
+        elif inside and line.startswith("VmFlags:"):
+            return head[1:]
+    raise AssertionError(f"address {addr:#x} is in no mapping")
+
+
+@pytest.mark.skipif(huge_page_size() != MIB2, reason="the kernel has no 2 MiB transparent huge pages")
+def test_huge_page_sized_pages_ask_for_huge_pages_and_get_them_where_granted():
+    with HostDriver(num_pages=2, page_size=MIB2, populate=True) as d:
+        assert d.huge_pages
+        res = d.reserve(3 * MIB2)
+        assert res.base % MIB2 == 0  # a huge page must start on a huge-page boundary
+        d.map(res, MIB2, d.alloc(1))
+        assert "hg" in vm_flags(res.base + MIB2)
+        _, fields = vma(res.base + MIB2, "smaps")
+        assert fields["Rss"] == MIB2 // 1024  # populated before the first touch
+        # shmem_enabled decides; "never" (a common default) leaves 4 KiB pages
+        assert fields["ShmemPmdMapped"] == (MIB2 // 1024 if shmem_huge_pages() else 0)
+        v = d.view(res, torch.int64, (MIB2 // 8,), offset=MIB2)
+        v[:] = 7
+        assert int(v.sum()) == 7 * MIB2 // 8
+    with HostDriver(num_pages=2, page_size=PS) as d:
+        assert not d.huge_pages
+        res = d.reserve(PS)
+        d.map(res, 0, d.alloc(1))
+        assert "hg" not in vm_flags(res.base)
 
 
 @pytest.mark.parametrize("populate", [False, True])
