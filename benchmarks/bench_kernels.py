@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from vmkv.drivers import DEFAULT_PAGE_SIZE, huge_page_size, shmem_huge_pages
 from vmkv.paging import PagedKVCache
 
 from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
@@ -49,9 +50,11 @@ def shape(num_layers: int = 1) -> KVShape:
     return KVShape(num_layers=num_layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=DTYPE)
 
 
-def make_cache(kind: str, max_len: int, tokens: int, num_layers: int = 1) -> KVCache:
+def make_cache(
+    kind: str, max_len: int, tokens: int, num_layers: int = 1, page_size: int = DEFAULT_PAGE_SIZE
+) -> KVCache:
     """A cache for `tokens` tokens of num_layers layers (MODEL_LAYERS for the layer-packed order,
-    whose geometry depends on them)."""
+    whose geometry depends on them); vattention's pages are page_size bytes."""
     layers = MODEL_LAYERS if "packed" in kind else num_layers
     kv_shape = shape(layers)
     budget = 2 * (tokens + 64 * max_len // 16) * kv_shape.bytes_per_token + (64 << 20)
@@ -62,8 +65,11 @@ def make_cache(kind: str, max_len: int, tokens: int, num_layers: int = 1) -> KVC
         random.Random(0).shuffle(cache.pool.plain_free)  # blocks scattered as after a long run
         return cache
     order = next((o for o in ("token", "packed") if o in kind), "head")
+    # each sequence's ranges (one per K/V, layer and head, per layer, or one) end in a partial page
+    ranges = {"head": 2 * layers * KV_HEADS, "token": 2 * layers, "packed": 1}[order]
+    budget += -(-tokens // max_len) * ranges * page_size
     attention = "sdpa" if "sdpa" in kind else "cpu_kernel"
-    return VAttentionKVCache(kv_shape, max_len, budget, order=order, attention=attention)
+    return VAttentionKVCache(kv_shape, max_len, budget, order=order, attention=attention, page_size=page_size)
 
 
 def admit_all(cache: KVCache, lens: list[int], num_new: int) -> StepBatch:
@@ -120,7 +126,7 @@ DECODE = [
 VATTENTION_KERNELS = DECODE[:3]
 
 
-def decode_table(batch: int, contexts: list[int], rounds: int, with_torch: bool) -> None:
+def decode_table(batch: int, contexts: list[int], rounds: int, with_torch: bool, page_size: int) -> None:
     kinds = DECODE + (["paged torch"] if with_torch else [])
     header = ["context", "layers read", "K/V MB per layer", "copy GB/s", "roofline ms"]
     header += [f"{k} ms" for k in kinds]
@@ -130,7 +136,7 @@ def decode_table(batch: int, contexts: list[int], rounds: int, with_torch: bool)
         lens = [context] * batch
         layer_bytes = batch * context * shape().bytes_per_token
         layers = min(MODEL_LAYERS, -(-DECODE_READ_BYTES // layer_bytes))
-        caches = {k: make_cache(k, context, batch * context, layers) for k in kinds}
+        caches = {k: make_cache(k, context, batch * context, layers, page_size) for k in kinds}
         try:
             runners = {"copy": copy_runner()}
             runners |= {k: attend_runner(c, admit_all(c, lens, 1), layers) for k, c in caches.items()}
@@ -203,6 +209,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--with-torch", action="store_true", help="add the paged gather + SDPA column")
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="vattention's, in bytes")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -211,7 +218,11 @@ def main() -> None:
     bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads, native bf16: {bf16}, medians of {rounds}")
-    decode_table(args.batch, contexts, rounds, args.with_torch)
+    pages = f"vattention pages of {args.page_size >> 10} KiB"
+    if huge_page_size() and args.page_size % huge_page_size() == 0:
+        pages += ", huge pages asked, " + ("granted" if shmem_huge_pages() else "not granted (shmem_enabled)")
+    print(pages)
+    decode_table(args.batch, contexts, rounds, args.with_torch, args.page_size)
     prefill_table(1000, rounds)
     prepare_table(args.batch, [contexts[0], contexts[-1]], rounds)
 
