@@ -9,9 +9,10 @@ from vmkv.drivers import DEFAULT_PAGE_SIZE
 
 # "auto" order: layer-packed at every page size, by `vmkv bench --sections capacity` on SmolLM2
 # (docs/vattention.md): in a 360 MiB budget it holds 149 sequences at 64 KiB pages (token-major
-# 96, head-major 32) and 90 at 2 MiB (3 and 1), and the C decode kernel reads it about as fast
-# as the per-layer orders at 2k context (0.8-1.05x token-major's time). Stock CPU SDPA reads
-# it 2.6x slower than head-major: choose "head" where the C kernel cannot be built.
+# 96, head-major 32) and 90 at 2 MiB (3 and 1). The C decode kernel reads it as fast as the
+# per-layer orders at 320 tokens; at 2k and batch 64 it is 1.3-1.4x token-major's time on 4 KiB
+# OS pages and level with it on huge pages (2 MiB pages where shmem THP is granted). Stock CPU
+# SDPA reads it 2.6x slower than head-major: choose "head" where the C kernel cannot be built.
 AUTO_ORDER = "packed"
 CUDA_PAGE_SIZE = 2 * 1024 * 1024  # the cuMemCreate granularity on current GPUs
 ATTENTION_PATHS = ("auto", "cpu_kernel", "sdpa")
