@@ -4,6 +4,7 @@ The caller holds the cache's lock."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 from vmkv.kv_cache import KVMemory, KVShape, KVStats
@@ -14,7 +15,8 @@ def kv_memory(table: SlotTable, seqs: dict[int, SlotSeq], shape: KVShape) -> KVM
     geo, pool = table.geometry, table.pool
     held = pool.num_sets - pool.free_count
     # a page several sequences map holds tokens each of them counts
-    double = sum(c - 1 for c in table.mappers(running_only=True).values())
+    counts = table.mappers(running_only=True)
+    double = sum(counts.values()) - len(counts)
     tokens = sum(s.length for s in seqs.values() if s.slot >= 0)
     return KVMemory(
         reserved_bytes=geo.regions * geo.region_bytes,
@@ -25,7 +27,9 @@ def kv_memory(table: SlotTable, seqs: dict[int, SlotSeq], shape: KVShape) -> KVM
 
 def kv_stats(table: SlotTable, pages_mapped: int, mapper_errors: int) -> KVStats:
     units, pool = table.geometry.units, table.pool
-    counts = table.mappers(running_only=True).values()  # sequences mapping each set
+    counts = table.mappers(running_only=True)  # sequences mapping each set
+    # counted in C, not per set in Python: this runs every step (engine stats)
+    shared, extra = len(counts) - operator.countOf(counts.values(), 1), sum(counts.values()) - len(counts)
     prefix = dataclasses.asdict(table.prefix.events) if table.prefix is not None else {}
     return KVStats(
         unit="page",
@@ -37,8 +41,8 @@ def kv_stats(table: SlotTable, pages_mapped: int, mapper_errors: int) -> KVStats
         page_sets_free=pool.free_count,
         page_sets_idle_kept=sum(len(s.sets) for s in table.idle()),
         units_kept=table.kept() * units,
-        shared_pages=sum(1 for c in counts if c > 1) * units,
-        bytes_saved=sum(c - 1 for c in counts) * units * table.geometry.page_size,
+        shared_pages=shared * units,
+        bytes_saved=extra * units * table.geometry.page_size,
         mapper_errors=mapper_errors,
         **dataclasses.asdict(table.mapping.events),
         **prefix,

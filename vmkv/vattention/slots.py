@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -161,13 +163,11 @@ class SlotTable:
 
     def mappers(self, running_only: bool = False) -> dict[int, int]:
         """How many slots (or sequences' slots) map each page set that some slot maps."""
-        count: dict[int, int] = {}
-        for slot in self.slots:
-            if running_only and slot.seq_id is None:
-                continue
-            for set_id in slot.sets:
-                count[set_id] = count.get(set_id, 0) + 1
-        return count
+        # Counter counts in C: stats() runs this every step over every mapped set (~7,000 at
+        # batch 64 x 300 tokens, where the Python loop it replaced took ~1 ms a call)
+        return Counter(
+            chain.from_iterable(s.sets for s in self.slots if not running_only or s.seq_id is not None)
+        )
 
     def pin(self, seqs: list[SlotSeq]) -> None:
         """The step's plan reads these sequences' pages: none of them is reclaimed under it."""
