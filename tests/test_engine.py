@@ -247,6 +247,28 @@ def test_abort_frees_the_request(tiny_model_dir: Path, prompts: list[list[int]])
     assert engine.cache.memory().allocated_bytes == 0
 
 
+@pytest.mark.parametrize("kv_mode", ["vattention", "paged"])
+def test_stats_reuse_kv_figures_only_while_the_batch_is_unchanged_and_young(
+    tiny_model_dir: Path, prompts: list[list[int]], kv_mode: str
+) -> None:
+    engine = make_llm(tiny_model_dir, kv_mode).engine
+    engine.add_request("a", prompts[0], SamplingParams(temperature=0.0, max_tokens=20))
+    engine.step()
+    first = engine.stats(kv_max_age=60.0)
+    for _ in range(4):
+        engine.step()
+    held = engine.stats(kv_max_age=60.0)  # same batch, young figures: reused, counters current
+    assert held.memory == first.memory and held.num_steps == first.num_steps + 4
+    assert engine.stats().memory.used_bytes > first.memory.used_bytes  # 4 tokens more, fresh
+    engine.add_request("b", prompts[1], SamplingParams(temperature=0.0, max_tokens=20))
+    assert engine.stats(kv_max_age=60.0).num_waiting == 1
+    engine.step()  # "b" joins the batch: the figures are taken again
+    assert engine.stats(kv_max_age=60.0).memory == engine.stats().memory
+    engine.abort_request("a")
+    engine.abort_request("b")
+    assert engine.stats(kv_max_age=60.0).memory.used_bytes == 0
+
+
 def test_detokenizer_waits_for_whole_characters(tiny_model_dir: Path) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
     text = "Größe: 中文字 🙂 ok"

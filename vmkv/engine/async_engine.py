@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.errors import RequestRejected
-from vmkv.engine.llm_engine import EngineStats, LLMEngine
+from vmkv.engine.llm_engine import KV_STATS_MAX_AGE, EngineStats, LLMEngine
 from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 
@@ -165,7 +165,7 @@ class AsyncLLM:
                     logger.exception("could not free the failed requests; the engine stops")
                     self._die(f"engine step failed ({exc!r}) and cleanup failed ({cleanup!r})")
                     return
-            self._stats = self.engine.stats()
+            self._stats = self.engine.stats(kv_max_age=KV_STATS_MAX_AGE)
             for out in outputs:
                 self._deliver(out)
 

@@ -38,7 +38,7 @@ from vmkv.engine.ipc import (
     encoder,
     write_start_report,
 )
-from vmkv.engine.llm_engine import LLMEngine
+from vmkv.engine.llm_engine import KV_STATS_MAX_AGE, LLMEngine
 from vmkv.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,9 @@ class EngineCore:
 
     def send(self, outputs: list[RequestOutput | RequestUpdate]) -> None:
         updates = [out if isinstance(out, RequestUpdate) else self.update(out) for out in outputs]
-        self.outputs.send(encoder.encode(StepOutputs(updates, self.engine.stats())), copy=False)
+        busy = self.engine.has_unfinished_requests()  # idle, the figures are exact
+        stats = self.engine.stats(kv_max_age=KV_STATS_MAX_AGE if busy else 0.0)
+        self.outputs.send(encoder.encode(StepOutputs(updates, stats)), copy=False)
 
     def update(self, out: RequestOutput) -> RequestUpdate:
         """What is new in a request's cumulative output since the last message."""
