@@ -178,7 +178,7 @@ class HostDriver(MemoryDriver):
         self._mmap(addr, size, PROT_RW, MAP_SHARED | MAP_FIXED, self._fd, offset, "map")
         _libc.madvise(addr, size, MADV_HUGEPAGE)
         if self.populate and _libc.madvise(addr, size, MADV_POPULATE_WRITE):
-            flags = MAP_SHARED | MAP_FIXED | MAP_POPULATE  # before Linux 5.14: at 4 KiB pages
+            flags = MAP_SHARED | MAP_FIXED | MAP_POPULATE  # refused (Linux < 5.14): 4 KiB pages
             self._mmap(addr, size, PROT_RW, flags, self._fd, offset, "map")
 
     def _raw_unmap(self, addr: int, num_pages: int) -> None:
