@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vmkv.engine.sampler import Sampler, SampleRow
+from vmkv.engine.sampler import Sampler, SampleRow, inverse_cdf
 from vmkv.engine.sampling_params import SamplingParams, StructuredOutput
 from vmkv.engine.structured_output import apply_token_bitmask, new_token_bitmask
 
@@ -33,6 +33,25 @@ def test_temperature_sampling_follows_the_softmax() -> None:
     assert torch.allclose(counts, expected, atol=0.015)
 
 
+def test_two_levelinverse_cdf_draws_what_one_whole_vocabulary_cdf_draws() -> None:
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(8, 1000, generator=gen) ** 4  # a vocabulary that is no multiple of a block
+    probs[:, torch.rand(1000, generator=gen) < 0.5] = 0.0  # filtered tokens: never drawn
+    probs[3, 600:] = 0.0  # a row whose last blocks hold nothing
+    probs = probs / probs.sum(-1, keepdim=True)
+    uniform = torch.rand(8, 500, generator=gen, dtype=torch.float64)
+    uniform[:, 0], uniform[:, 1] = 0.0, 1.0 - 2**-53  # both ends
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    for j in range(uniform.shape[1]):
+        u = uniform[:, j : j + 1]
+        whole = torch.minimum(
+            torch.searchsorted(cdf, u * cdf[:, -1:], right=True), torch.searchsorted(cdf, cdf[:, -1:])
+        )
+        drawn = inverse_cdf(probs, u)
+        assert drawn.tolist() == whole.squeeze(1).tolist()
+        assert bool((probs[torch.arange(8), drawn] > 0).all())
+
+
 def test_top_k_and_top_p_cut_the_tail() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().unsqueeze(0).repeat(4000, 1)
@@ -40,10 +59,10 @@ def test_top_k_and_top_p_cut_the_tail() -> None:
     assert set(top_k) == {0, 1}
     top_p = Sampler(seed=3)(logits, rows(SamplingParams(top_p=0.7), 4000)).token_ids
     assert set(top_p) == {0, 1}  # 0.5 < 0.7 needs the second token; 0.8 >= 0.7 stops there
-    top_p_small = Sampler(seed=4)(logits, rows(SamplingParams(top_p=0.1), 100)).token_ids
+    top_p_small = Sampler(seed=4)(logits[:100], rows(SamplingParams(top_p=0.1), 100)).token_ids
     assert set(top_p_small) == {0}  # the most likely token always stays
     # even where top_p rounds to 0 in the logits' dtype (found by fuzzing the server: 5e-324)
-    tiny = Sampler(seed=5)(logits, rows(SamplingParams(top_p=5e-324), 10)).token_ids
+    tiny = Sampler(seed=5)(logits[:10], rows(SamplingParams(top_p=5e-324), 10)).token_ids
     assert set(tiny) == {0}
 
 
