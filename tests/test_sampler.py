@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vmkv.engine.sampler import Sampler, SampleRow, inverse_cdf
+from vmkv.engine.sampler import Sampler, SampleRow, filter_top_k_top_p, inverse_cdf
 from vmkv.engine.sampling_params import SamplingParams, StructuredOutput
 from vmkv.engine.structured_output import apply_token_bitmask, new_token_bitmask
 
@@ -50,6 +50,32 @@ def test_two_levelinverse_cdf_draws_what_one_whole_vocabulary_cdf_draws() -> Non
         drawn = inverse_cdf(probs, u)
         assert drawn.tolist() == whole.squeeze(1).tolist()
         assert bool((probs[torch.arange(8), drawn] > 0).all())
+
+
+def sorted_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The filter by its definition: sort each row whole, keep its top-k, then the smallest
+    prefix of those, renormalized, whose mass reaches top_p (the top token always)."""
+    out = torch.full_like(logits, float("-inf"))
+    for i, row in enumerate(logits):
+        values, order = row.sort(descending=True)
+        k = top_k[i] if 0 < top_k[i] < len(row) else len(row)
+        probs = values[:k].softmax(-1)
+        before = probs.cumsum(-1) - probs
+        keep = before < top_p[i] if top_p[i] < 1.0 else torch.ones(k, dtype=torch.bool)
+        keep[0] = True
+        out[i, order[:k][keep]] = row[order[:k][keep]]
+    return out
+
+
+def test_top_k_top_p_keeps_exactly_what_sorting_whole_rows_keeps() -> None:
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(8, 5000, generator=gen) * 4
+    logits[6] = torch.randn(5000, generator=gen) * 0.01  # flat: a nucleus wider than the candidates
+    top_k = [0, 5, 0, 40, 3000, 0, 0, 1]
+    top_p = [0.9, 1.0, 1.0, 0.5, 0.95, 0.3, 0.99, 0.8]  # row 2 keeps everything
+    got = filter_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(got, sorted_top_k_top_p(logits, top_k, top_p))
+    assert int(got[6].isfinite().sum()) > 1024
 
 
 def test_top_k_and_top_p_cut_the_tail() -> None:

@@ -26,6 +26,7 @@ from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.structured_output import GrammarState, apply_token_bitmask, new_token_bitmask
 
 CDF_BLOCK = 256  # tokens per block of the two-level CDF random draws invert (inverse_cdf)
+NUCLEUS_CANDIDATES = 1024  # a top-p row's best tokens sorted first; its nucleus is looked for there
 
 
 @dataclass
@@ -151,7 +152,7 @@ class Sampler:
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
         if any(top_k) or any(p < 1.0 for p in top_p):
-            logits = _filter_top_k_top_p(logits, top_k, top_p)
+            logits = filter_top_k_top_p(logits, top_k, top_p)
         draw = {"dtype": torch.float64, "device": logits.device}
         uniform = torch.rand(len(rows), 1, generator=self.generator, **draw)
         for i, row in enumerate(rows):  # one number per seeded row, from its own stream
@@ -269,18 +270,55 @@ def _filter_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask to -inf every token outside each row's top-k and top-p nucleus (one sort for all rows)."""
+def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask to -inf every token outside each row's top-k and top-p nucleus (top-p over the
+    top-k renormalized, as vLLM does).
+
+    Only each row's best `width` tokens are sorted (topk): the largest top-k, or
+    NUCLEUS_CANDIDATES where a row has a top-p alone; a row whose nucleus those do not hold is
+    sorted whole. Sorting every row whole took 140-170 ms for 64 x 49,152 on two cores.
+    """
     vocab, device = logits.shape[1], logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=device).unsqueeze(1)
-    ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-    p = torch.tensor([x if x < 1.0 else 2.0 for x in top_p], dtype=logits.dtype, device=device).unsqueeze(
-        1
-    )  # 1: keep all
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
+    k = [t if 0 < t < vocab else vocab for t in top_k]
+    keep_all = [kk == vocab and p >= 1.0 for kk, p in zip(k, top_p, strict=True)]
+    width = min(
+        vocab,
+        max(
+            kk if kk < vocab else NUCLEUS_CANDIDATES if p < 1.0 else 1 for kk, p in zip(k, top_p, strict=True)
+        ),
+    )
+    values, order = logits.topk(width, dim=-1)
+    kept, complete = _nucleus(values, logits, torch.tensor(k, device=device), top_p)
+    out = torch.full_like(logits, float("-inf")).scatter(1, order, kept)
+    if any(keep_all):
+        out = torch.where(torch.tensor(keep_all, device=device).unsqueeze(1), logits, out)
+    if not bool(complete.all()):  # flat rows whose nucleus is wider than the candidates
+        rows = (~complete).nonzero().squeeze(1)
+        values, order = logits[rows].sort(dim=-1, descending=True)
+        kept, _ = _nucleus(
+            values, logits[rows], torch.tensor(k, device=device)[rows], [top_p[i] for i in rows.tolist()]
+        )
+        out[rows] = torch.full_like(values, float("-inf")).scatter(1, order, kept)
+    return out
+
+
+def _nucleus(
+    values: torch.Tensor, logits: torch.Tensor, k: torch.Tensor, top_p: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """values: each row's best tokens' logits, sorted (a prefix of the row); k: each row's top-k
+    (the vocabulary size for none). Returns the values with the tokens outside the top-k and the
+    top-p nucleus at -inf, and per row whether the prefix held the whole nucleus."""
+    device, vocab = values.device, logits.shape[1]
+    ranks = torch.arange(values.shape[1], device=device).unsqueeze(0)
+    values = values.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+    # probabilities of the whole row, or of its top-k renormalized (all inside the prefix)
+    norm = values.logsumexp(dim=-1)
+    if bool((k == vocab).any()):  # a [S, V] pass only for rows with a top-p alone
+        norm = torch.where(k < vocab, norm, logits.logsumexp(dim=-1))
+    norm = norm.unsqueeze(1)
+    probs = (values - norm).exp()
+    p = torch.tensor([x if x < 1.0 else 2.0 for x in top_p], dtype=values.dtype, device=device)  # 1: keep all
+    mass = probs.cumsum(dim=-1)
     # the top token always stays, even for a top_p that rounds to 0 in this dtype
-    sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (ranks > 0), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    values = values.masked_fill((mass - probs >= p.unsqueeze(1)) & (ranks > 0), float("-inf"))
+    return values, (k < vocab) | (mass[:, -1] >= p) | (p > 1.0)
