@@ -24,6 +24,12 @@ def test_greedy_rows_take_the_argmax_next_to_random_rows() -> None:
     assert out.logprobs == [None] * 6
 
 
+def test_an_empty_step_samples_nothing_and_mismatched_rows_are_refused() -> None:
+    assert Sampler()(torch.empty(0, 50), []).token_ids == []
+    with pytest.raises(ValueError, match="one row each"):
+        Sampler()(torch.zeros(3, 50), rows(SamplingParams(temperature=1.0), 2))
+
+
 def test_temperature_sampling_follows_the_softmax() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
     temperature = 0.7

@@ -62,6 +62,8 @@ class Sampler:
         logits; tokens from the processed ones. Rows with a grammar accept their token here."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows: one row each")
+        if not rows:
+            return SamplerOutput([], [])
         if self._faults is not None:
             self._faults.on_sample(rows)
         raw = logits
