@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from vmkv.engine.sampler import Sampler, SampleRow, filter_top_k_top_p, inverse_cdf
+from vmkv.engine.sampler import NUCLEUS_TIERS, Sampler, SampleRow, inverse_cdf, top_k_top_p_windows
 from vmkv.engine.sampling_params import SamplingParams, StructuredOutput
 from vmkv.engine.structured_output import apply_token_bitmask, new_token_bitmask
 
@@ -58,30 +60,61 @@ def test_two_levelinverse_cdf_draws_what_one_whole_vocabulary_cdf_draws() -> Non
         assert bool((probs[torch.arange(8), drawn] > 0).all())
 
 
-def sorted_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def sorted_top_k_top_p(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The filter by its definition: sort each row whole, keep its top-k, then the smallest
-    prefix of those, renormalized, whose mass reaches top_p (the top token always)."""
+    prefix of those, renormalized, whose mass reaches top_p (the top token always). Returns the
+    filtered logits and, per token, whether float32 rounding could move it across the top-p
+    boundary (its preceding mass within 1e-6 of top_p)."""
     out = torch.full_like(logits, float("-inf"))
+    close = torch.zeros_like(logits, dtype=torch.bool)
     for i, row in enumerate(logits):
         values, order = row.sort(descending=True)
         k = top_k[i] if 0 < top_k[i] < len(row) else len(row)
-        probs = values[:k].softmax(-1)
+        probs = values[:k].double().softmax(-1)
         before = probs.cumsum(-1) - probs
         keep = before < top_p[i] if top_p[i] < 1.0 else torch.ones(k, dtype=torch.bool)
         keep[0] = True
         out[i, order[:k][keep]] = row[order[:k][keep]]
-    return out
+        close[i, order[:k]] = (before - top_p[i]).abs() < 1e-6
+    return out, close
 
 
 def test_top_k_top_p_keeps_exactly_what_sorting_whole_rows_keeps() -> None:
     gen = torch.Generator().manual_seed(8)
-    logits = torch.randn(8, 5000, generator=gen) * 4
-    logits[6] = torch.randn(5000, generator=gen) * 0.01  # flat: a nucleus wider than the candidates
-    top_k = [0, 5, 0, 40, 3000, 0, 0, 1]
-    top_p = [0.9, 1.0, 1.0, 0.5, 0.95, 0.3, 0.99, 0.8]  # row 2 keeps everything
-    got = filter_top_k_top_p(logits, top_k, top_p)
-    assert torch.equal(got, sorted_top_k_top_p(logits, top_k, top_p))
-    assert int(got[6].isfinite().sum()) > 1024
+    logits = torch.randn(10, 5000, generator=gen) * 4
+    # a tail of tokens each under 1/NUCLEUS_TIERS[-1] of the mass, one token holding the rest:
+    # no tier's candidates hold a nucleus of 0.999, so the row is sorted whole
+    tail = 0.5 / NUCLEUS_TIERS[-1]
+    logits[6] = torch.randn(5000, generator=gen) * 0.01 + math.log(tail)
+    logits[6, 0] = math.log(1 - 4999 * tail)
+    logits[8, 100:] = float("-inf")  # min-p or a grammar left 100 tokens
+    # 2,500 tokens under the first tier's share and over the second's: held by the second tier
+    logits[9] = float("-inf")
+    logits[9, 1:2501] = torch.randn(2500, generator=gen) * 0.01 + math.log(1 / 50000)
+    logits[9, 0] = math.log(0.95)
+    top_k = [0, 5, 0, 40, 3000, 0, 0, 1, 0, 0]
+    top_p = [0.9, 1.0, 1.0, 0.5, 0.95, 0.3, 0.999, 0.8, 0.999, 0.97]  # row 2 keeps everything
+    cut = [i for i in range(10) if top_k[i] or top_p[i] < 1.0]  # the rows the sampler passes
+    probs = logits[cut].softmax(-1)
+    kept = torch.zeros_like(probs)
+    width = {}  # row: how many of its tokens were sorted
+    for rows, values, ids in top_k_top_p_windows(
+        probs, [top_k[i] or 5000 for i in cut], [top_p[i] for i in cut]
+    ):
+        kept[rows.unsqueeze(1), ids] = values
+        width.update(dict.fromkeys(rows.tolist(), values.shape[1]))
+    reference, close = sorted_top_k_top_p(logits, top_k, top_p)
+    reference, close = reference[cut], close[cut]
+    assert sorted(width) == list(range(len(cut)))
+    assert torch.equal((kept > 0) | close, reference.isfinite() | close)
+    assert int(close.sum()) < 5  # only at the boundary of the long tail, if at all
+    assert [i for i in cut if width[cut.index(i)] == 5000] == [6]
+    assert width[cut.index(9)] == 2501
+    assert int((kept[cut.index(6)] > 0).sum()) > 4000
+    renormalized = kept / kept.sum(-1, keepdim=True)
+    assert torch.allclose(renormalized, reference.softmax(-1), atol=1e-5)
 
 
 def test_top_k_and_top_p_cut_the_tail() -> None:
@@ -91,6 +124,16 @@ def test_top_k_and_top_p_cut_the_tail() -> None:
     assert set(top_k) == {0, 1}
     top_p = Sampler(seed=3)(logits, rows(SamplingParams(top_p=0.7), 4000)).token_ids
     assert set(top_p) == {0, 1}  # 0.5 < 0.7 needs the second token; 0.8 >= 0.7 stops there
+    counts = torch.bincount(torch.tensor(top_p), minlength=4).float() / 4000
+    assert counts[0] == pytest.approx(0.5 / 0.8, abs=0.03)  # the nucleus renormalised
+    mixed = [
+        SamplingParams(top_k=1),
+        SamplingParams(top_p=0.7),
+        SamplingParams(),
+        SamplingParams(temperature=0),
+    ]
+    drawn = Sampler(seed=6)(logits[:4000], [SampleRow(mixed[i % 4], None) for i in range(4000)]).token_ids
+    assert [set(drawn[i::4]) for i in range(4)] == [{0}, {0, 1}, {0, 1, 2, 3}, {0}]
     top_p_small = Sampler(seed=4)(logits[:100], rows(SamplingParams(top_p=0.1), 100)).token_ids
     assert set(top_p_small) == {0}  # the most likely token always stays
     # even where top_p rounds to 0 in the logits' dtype (found by fuzzing the server: 5e-324)

@@ -139,11 +139,11 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether the sampler must change this row's logits before picking; rows that do not
-        stay on the plain path and cost nothing extra."""
+        stay on the plain path and cost nothing extra (min_p is a filter of the draw, like top-p,
+        and never changes the argmax)."""
         return (
             self.penalized
             or self.min_tokens > 0
-            or self.min_p > 0.0
             or bool(self.logit_bias)
             or bool(self.bad_words_token_ids)
             or self.structured is not None
