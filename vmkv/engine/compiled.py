@@ -9,7 +9,11 @@ Shapes: the packed batch is [1, T]. `dynamic=True` compiles T symbolically, and 
 specialises T == 1 on its own, so two warm-up forwards (T = 1 and T = 2) compile the two
 graphs every later step uses: batch-1 decode, and any other step (prefill chunks of any
 length, decode batches). Later steps run under the "eager_on_recompile" stance: a shape the
-guards did not foresee runs that step eagerly instead of stalling it for a compile. Inductor
+guards did not foresee runs that step eagerly instead of stalling it for a compile. They also
+skip evaluating the guards that do not tell the two graphs apart (`skip_guard_eval_unsafe`):
+the engine always calls the decoder the same way, with only T varying, and checking every
+guard (the model's modules and parameters included) took 2.0 ms of a ~17 ms batch-1 step and
+3.9 ms of a ~100 ms batch-64 step on two cores, 0.9 and 0.8 ms without them. Inductor
 caches generated code on disk (torch's FX graph and AOTAutograd caches), so another process
 compiling the same model mostly pays dynamo's tracing.
 """
@@ -72,5 +76,6 @@ def compile_decoder(decoder: torch.nn.Module, device: torch.device) -> Callable[
 
 
 def compiled_stance() -> AbstractContextManager[None]:
-    """Around each compiled step: a shape outside the compiled guards runs eagerly, never recompiles."""
-    return torch.compiler.set_stance("eager_on_recompile")
+    """Around each compiled step: a shape outside the compiled guards runs eagerly, never
+    recompiles; only the guards that choose between the warmed-up graphs are evaluated."""
+    return torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True)
