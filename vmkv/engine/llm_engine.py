@@ -30,7 +30,7 @@ from vmkv.engine.scheduler import ScheduledSeq, Scheduler
 from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
 from vmkv.engine.stop_strings import find_stop
 from vmkv.engine.structured_output import GrammarCompiler
-from vmkv.heap import HeapTrimmer
+from vmkv.heap import HeapTrimmer, keep_step_buffers
 from vmkv.kv_cache import KVMemory, KVStats
 from vmkv.model.store import load_tokenizer, resolve_model
 
@@ -132,7 +132,8 @@ class LLMEngine:
         self.peak_running_seqs = 0
         self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
         self._forward_failures: dict[str, int] = {}  # request id -> failed forwards in a row
-        self._heap = HeapTrimmer()  # what the steps freed goes back to the OS (vmkv/heap.py)
+        keep_step_buffers()  # a step's buffers stay in the heap for the next step (vmkv/heap.py)
+        self._heap = HeapTrimmer()  # what the steps freed goes back to the OS
         self._kv_report: tuple[tuple[int, ...], float, KVReport] | None = None  # batch, time, figures
 
     # ------------------------------------------------------------ requests
