@@ -166,11 +166,11 @@ class Sampler:
         top_p = [r.params.top_p for r in rows]
         cut = [i for i in range(len(rows)) if top_k[i] < vocab or top_p[i] < 1.0]
         if len(cut) == len(rows):
-            return draw_top_k_top_p(probs, top_k, top_p, uniform)
+            return _draw_top_k_top_p(probs, top_k, top_p, uniform)
         tokens = inverse_cdf(probs, uniform)
         if cut:
             index = torch.tensor(cut, device=probs.device)
-            tokens[index] = draw_top_k_top_p(
+            tokens[index] = _draw_top_k_top_p(
                 probs[index], [top_k[i] for i in cut], [top_p[i] for i in cut], uniform[index]
             )
         return tokens
@@ -285,7 +285,7 @@ def _mask_min_p(probs: torch.Tensor, min_p: list[float]) -> None:
     probs.masked_fill_(probs < threshold, 0.0)
 
 
-def draw_top_k_top_p(
+def _draw_top_k_top_p(
     probs: torch.Tensor, top_k: list[int], top_p: list[float], uniform: torch.Tensor
 ) -> torch.Tensor:
     """One token per row of `probs` (softmax, min-p already applied), drawn at `uniform` from the
