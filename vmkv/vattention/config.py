@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from vmkv.dense.plan import DEFAULT_MAX_PADDING
 from vmkv.drivers import DEFAULT_PAGE_SIZE
 
-# "auto" order: layer-packed at every page size, by `vmkv bench --sections capacity` on SmolLM2
-# (docs/vattention.md): in a 360 MiB budget it holds 149 sequences at 64 KiB pages (token-major
-# 96, head-major 32) and 90 at 2 MiB (3 and 1). The C decode kernel reads it as fast as the
-# per-layer orders at 320 tokens; at 2k and batch 64 it is 1.3-1.4x token-major's time on 4 KiB
-# OS pages and level with it on huge pages (2 MiB pages where shmem THP is granted). Stock CPU
-# SDPA reads it 2.6x slower than head-major: choose "head" where the C kernel cannot be built.
+# "auto" order: layer-packed at every page size, for capacity, by `vmkv bench --sections
+# capacity` on SmolLM2 (docs/vattention.md): in a 360 MiB budget it holds 149 sequences at 64 KiB
+# pages (token-major 96, head-major 32) and 90 at 2 MiB (3 and 1). The C decode kernel reads it
+# in 1.08-1.11x the fastest order's time (head-major) at 320 tokens and batch 64; at 2k in
+# 1.6-1.9x head-major's on 4 KiB OS pages (token-major's on huge pages), so "head" is the
+# faster choice for long contexts where memory is plentiful. Stock CPU SDPA reads packed 2.1x
+# slower than head-major: choose "head" where the C kernel cannot be built.
 AUTO_ORDER = "packed"
 CUDA_PAGE_SIZE = 2 * 1024 * 1024  # the cuMemCreate granularity on current GPUs
 ATTENTION_PATHS = ("auto", "cpu_kernel", "sdpa")
