@@ -98,4 +98,6 @@ def test_step_sized_buffers_are_reused_without_faulting_in_again() -> None:
     for _ in range(10):
         torch.empty(64, 49152).fill_(1.0)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    assert faults < 1000, faults  # fresh mappings: ~30,000
+    # fresh mappings: ~30,000; from the heap at most an occasional refault of one (3,072 pages,
+    # seen once in a few runs after the trim of the test before)
+    assert faults < 8000, faults
