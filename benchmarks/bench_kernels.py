@@ -15,7 +15,9 @@ number of layers. Columns:
   so a layer's rows of consecutive tokens are 23 KB apart;
 - vattention sdpa: stock SDPA on the same virtual memory (attention="sdpa", head-major);
 - paged kernel / paged torch: the CPU decode kernel through the block table, and
-  gather + SDPA (blocks scattered as after a long run).
+  gather + SDPA (blocks scattered as after a long run: the pool's worst case);
+- paged kernel, blocks in runs: the kernel on the pool's own placement (each sequence's
+  blocks consecutive, as the pool keeps them while it has free runs).
 
 Prefill: one new 1,000-token prompt, and the second 500-token chunk of one, per layout.
 Prepare: host time of prepare() for a batch-64 decode step at two contexts (it should not
@@ -27,7 +29,6 @@ grow with the context).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -59,10 +60,11 @@ def make_cache(
     kv_shape = shape(layers)
     budget = 2 * (tokens + 64 * max_len // 16) * kv_shape.bytes_per_token + (64 << 20)
     if kind.startswith("paged"):
-        attention = "cpu_kernel" if kind == "paged kernel" else "torch"
+        attention = "torch" if kind == "paged torch" else "cpu_kernel"
         cache = PagedKVCache(kv_shape, max_len, budget, enable_prefix_caching=False, attention=attention)
         cache.kv.normal_()
-        random.Random(0).shuffle(cache.pool.plain_free)  # blocks scattered as after a long run
+        if "runs" not in kind:
+            cache.pool.scatter(0)
         return cache
     order = next((o for o in ("token", "packed") if o in kind), "head")
     # each sequence's ranges (one per K/V, layer and head, per layer, or one) end in a partial page
@@ -122,6 +124,7 @@ DECODE = [
     "vattention kernel (layer-packed)",
     "vattention sdpa",
     "paged kernel",
+    "paged kernel, blocks in runs",
 ]
 VATTENTION_KERNELS = DECODE[:3]
 
@@ -130,7 +133,10 @@ def decode_table(batch: int, contexts: list[int], rounds: int, with_torch: bool,
     kinds = DECODE + (["paged torch"] if with_torch else [])
     header = ["context", "layers read", "K/V MB per layer", "copy GB/s", "roofline ms"]
     header += [f"{k} ms" for k in kinds]
-    header += ["kernel / roofline (head, token, packed, paged)", "best vattention kernel vs paged kernel"]
+    header += [
+        "kernel / roofline (head, token, packed, paged, paged in runs)",
+        "best vattention kernel vs paged kernel",
+    ]
     rows = []
     for context in contexts:
         lens = [context] * batch
@@ -147,7 +153,7 @@ def decode_table(batch: int, contexts: list[int], rounds: int, with_torch: bool,
         per_layer = {k: v / layers for k, v in t.items()}
         bandwidth = 2 * COPY_BYTES / t["copy"]
         roof = layer_bytes / bandwidth
-        ratios = ", ".join(f"{per_layer[k] / roof:.2f}x" for k in (*VATTENTION_KERNELS, "paged kernel"))
+        ratios = ", ".join(f"{per_layer[k] / roof:.2f}x" for k in (*VATTENTION_KERNELS, *DECODE[-2:]))
         speedup = per_layer["paged kernel"] / min(per_layer[k] for k in VATTENTION_KERNELS)
         sizes = [str(context), str(layers), f"{layer_bytes / 1e6:.1f}", f"{bandwidth / 1e9:.1f}"]
         rows.append(

@@ -47,7 +47,7 @@ def shape() -> KVShape:
 def decode_step(cache: KVCache, lens: list[int], shuffle: bool) -> StepBatch:
     """Admit one sequence per context length and grow it by one token: a decode step."""
     if shuffle and isinstance(cache, PagedKVCache):
-        random.Random(0).shuffle(cache.pool.plain_free)  # blocks scattered as after a long run
+        cache.pool.scatter(0)  # blocks scattered as after a long run without run-keeping
     for i, n in enumerate(lens):
         cache.admit(i, list(range(1000 * i, 1000 * i + n - 1)))
         cache.grow(i, [7])

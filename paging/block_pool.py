@@ -4,12 +4,23 @@ A block is free exactly when its reference count is zero. Free blocks come in tw
 plain ones (never full, or evicted) and cached ones, which keep their hash and KV so that a
 later request can take them back. New blocks come from the plain ones first; only when none
 is left is the least recently freed cached block evicted.
+
+Placement: a sequence's next block is the one after its last where that is free, and a
+sequence that cannot continue (a new one, or one whose neighbour is taken) starts in the
+middle of the longest run of free blocks, leaving the first half to whoever ends before it.
+So a sequence's K/V mostly lies in runs of consecutive blocks, which the decode kernel reads
+like a contiguous slot: 0.76-0.80 ms per layer against 0.95-0.96 ms with the blocks scattered
+(batch 64 x 320 tokens, SmolLM2's shape, bf16, benchmarks/bench_kernels.py), 4.3-4.5 against
+5.5-5.7 ms at 2,048 tokens.
 """
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 from .prefix_cache import BlockKey
 
@@ -34,7 +45,11 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"the pool needs at least one block, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.plain_free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives low ids first
+        # plain free blocks as an ordered set (popitem() gives the most recently freed, low ids
+        # first at the start), and the same as a mask for finding runs
+        self.plain_free: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
+        self._plain_mask = np.ones(num_blocks, dtype=bool)
+        self.keep_runs = True  # placement above; scatter() turns it off
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self.cached: dict[int, Block] = {}  # block hash -> the block holding that KV
         self.events = PoolEvents()
@@ -48,10 +63,14 @@ class BlockPool:
         """Blocks that an allocation may take, cached ones included."""
         return len(self.plain_free) + len(self.cached_free)
 
-    def allocate(self) -> Block:
-        """A block for new KV with count one; the caller has checked that one is free."""
+    def allocate(self, after: int | None = None) -> Block:
+        """A block for new KV with count one, placed to follow block `after` (the sequence's
+        last, if it has one); the caller has checked that one is free."""
         if self.plain_free:
-            block = self.blocks[self.plain_free.pop()]
+            block_id = self._place(after)
+            del self.plain_free[block_id]
+            self._plain_mask[block_id] = False
+            block = self.blocks[block_id]
         else:
             block_id, _ = self.cached_free.popitem(last=False)
             block = self.blocks[block_id]
@@ -76,9 +95,30 @@ class BlockPool:
         block.ref_count -= 1
         if block.ref_count == 0:
             if block.block_hash is None:
-                self.plain_free.append(block.block_id)
+                self.plain_free[block.block_id] = None
+                self._plain_mask[block.block_id] = True
             else:
                 self.cached_free[block.block_id] = None
+
+    def scatter(self, seed: int) -> None:
+        """Hand plain free blocks out in a random order from now on, as a pool does after a long
+        run without run-keeping: tests use it to exercise block tables with no two blocks in a
+        row, benchmarks to measure that case."""
+        order = list(self.plain_free)
+        random.Random(seed).shuffle(order)
+        self.plain_free = dict.fromkeys(order)
+        self.keep_runs = False
+
+    def _place(self, after: int | None) -> int:
+        if not self.keep_runs:
+            return next(reversed(self.plain_free))
+        if after is not None and after + 1 < self.num_blocks and self._plain_mask[after + 1]:
+            return after + 1
+        edges = np.flatnonzero(np.diff(self._plain_mask, prepend=False, append=False))
+        starts, ends = edges[0::2], edges[1::2]  # runs of plain free blocks: [start, end)
+        longest = int(np.argmax(ends - starts))
+        start, end = int(starts[longest]), int(ends[longest])
+        return start if start == 0 else start + (end - start) // 2
 
     def lookup(self, block_hash: int) -> Block | None:
         return self.cached.get(block_hash)

@@ -174,7 +174,7 @@ class PagedKVCache(KVCache[PagedPlan]):
             self._copy_on_write(seq, len(hits) - 1)
             seq.block_keys.pop()
         while len(seq.block_table) < self._blocks_for(seq.num_tokens):
-            seq.block_table.append(self.pool.allocate().block_id)
+            seq.block_table.append(self.pool.allocate(self._last_block(seq)).block_id)
         seq.num_computed = min(len(hits) * self.block_size, seq.num_tokens - 1)
         self._sync_row(seq, 0)
         if self.enable_prefix_caching:
@@ -205,7 +205,8 @@ class PagedKVCache(KVCache[PagedPlan]):
             raise OutOfKVMemory(fresh + shared_last, self.pool.num_free, "blocks")
         if shared_last:
             self._copy_on_write(seq, len(seq.block_table) - 1)
-        seq.block_table.extend(self.pool.allocate().block_id for _ in range(fresh))
+        for _ in range(fresh):
+            seq.block_table.append(self.pool.allocate(self._last_block(seq)).block_id)
         if fresh or shared_last:  # a decode adds a block once per block_size steps
             self._sync_row(seq, len(seq.block_table) - fresh - shared_last)
         seq.token_ids.extend(new)
@@ -293,7 +294,9 @@ class PagedKVCache(KVCache[PagedPlan]):
         placed: dict[tuple[int, int], Block] = {}
         for host_id, host in hosts.items():
             host_blocks = [h for i, h in wanted if i == host_id]
-            blocks = [self.pool.allocate() for _ in host_blocks]
+            blocks = []
+            for _ in host_blocks:  # in a run, as they were
+                blocks.append(self.pool.allocate(blocks[-1].block_id if blocks else None))
             self._from_host(host, host_blocks, [b.block_id for b in blocks])
             placed.update(((host_id, h), b) for h, b in zip(host_blocks, blocks, strict=True))
             self._events.swap_in_bytes += len(host_blocks) * host[:, :, 0].numel() * host.element_size()
@@ -369,6 +372,10 @@ class PagedKVCache(KVCache[PagedPlan]):
         self._blocks, self._token_rows = [], []
 
     # -------------------------------------------------------------- helpers
+    @staticmethod
+    def _last_block(seq: PagedSequence) -> int | None:
+        return seq.block_table[-1] if seq.block_table else None
+
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -419,7 +426,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         """Give seq a private copy of its logical block i (every layer); the caller checked that
         a block is free."""
         old = self.pool.blocks[seq.block_table[i]]
-        new = self.pool.allocate()
+        new = self.pool.allocate(seq.block_table[i - 1] if i else None)
         self._copy_block(old.block_id, new.block_id)
         self.pool.release(old)
         seq.block_table[i] = new.block_id

@@ -39,7 +39,7 @@ def make_cache(
     shape = KVShape(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
     budget = num_blocks * block_size * shape.bytes_per_token
     cache = PagedKVCache(shape, max_len, budget, block_size=block_size, attention=attention, **options)
-    random.Random(num_blocks).shuffle(cache.pool.plain_free)
+    cache.pool.scatter(num_blocks)
     return cache
 
 

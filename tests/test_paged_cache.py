@@ -29,6 +29,41 @@ def test_prefill_takes_ceil_blocks_and_decode_one_block_when_the_last_is_full() 
     assert len(cache.seqs[0].block_table) == 6
 
 
+def test_sequences_growing_in_turn_keep_their_blocks_in_runs() -> None:
+    shape = KVShape(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    cache = PagedKVCache(shape, 256, 64 * 4 * shape.bytes_per_token, block_size=4)
+    for seq_id in range(3):
+        cache.admit(seq_id, list(range(6)))  # two blocks each, admitted one after the other
+    for _ in range(24):  # six more blocks each, taken in turn
+        for seq_id in range(3):
+            cache.grow(seq_id, [1])
+    tables = [cache.seqs[i].block_table for i in range(3)]
+    for table in tables:
+        assert table == list(range(table[0], table[0] + len(table)))
+    # the first starts the pool; each later one the middle of the longest free run
+    assert [t[0] for t in tables] == [0, 33, 17]
+
+
+def test_a_sequence_whose_next_block_is_taken_continues_in_the_longest_free_run() -> None:
+    shape = KVShape(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    cache = PagedKVCache(shape, 256, 16 * 4 * shape.bytes_per_token, block_size=4)
+    cache.admit(0, list(range(8)))  # blocks 0, 1
+    cache.admit(1, list(range(4)))  # the middle of the free run 2..15: block 9
+    cache.admit(2, list(range(4)))  # the middle of 2..8, the longest run left: block 5
+    assert [cache.seqs[i].block_table for i in (1, 2)] == [[9], [5]]
+    for _ in range(4 * 4):
+        cache.grow(0, [1])  # blocks 2, 3, 4; then 5 is taken
+    # it continues in the middle of 10..15 (longer than 6..8)
+    assert cache.seqs[0].block_table == [0, 1, 2, 3, 4, 13]
+
+
+def test_scattered_pool_hands_out_blocks_out_of_order() -> None:
+    cache = make_cache(block_size=4, num_blocks=64)  # scattered, as the attention tests want
+    cache.admit(0, list(range(40)))
+    table = cache.seqs[0].block_table
+    assert sorted(table) != table and len(set(table)) == 10
+
+
 def test_fork_shares_every_block_and_copy_on_write_copies_only_the_written_one() -> None:
     cache = make_cache(block_size=4)
     runner = Runner(cache, num_q_heads=4)

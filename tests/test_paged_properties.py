@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import random
 
 import torch
 from attention_reference import reference_attention
@@ -39,11 +38,14 @@ def kv_of(identity: tuple, prefix: tuple[int, ...]) -> torch.Tensor:
 
 
 class PagedLifecycle(RuleBasedStateMachine):
+    scatter = True  # blocks in random order: tables with no two blocks in a row
+
     def __init__(self) -> None:
         super().__init__()
         budget = NUM_BLOCKS * BLOCK_SIZE * SHAPE.bytes_per_token
         self.cache = PagedKVCache(SHAPE, MAX_LEN, budget, block_size=BLOCK_SIZE, model_id="m")
-        random.Random(0).shuffle(self.cache.pool.plain_free)
+        if self.scatter:
+            self.cache.pool.scatter(0)
         self.tokens: dict[int, list[int]] = {}
         self.salt: dict[int, str | None] = {}
         self.swapped: set[int] = set()
@@ -200,6 +202,12 @@ class PagedLifecycle(RuleBasedStateMachine):
         assert pool.num_free == pool.num_blocks and all(b.ref_count == 0 for b in pool.blocks)
 
 
+class RunKeepingLifecycle(PagedLifecycle):
+    """The same lifecycles with the pool's default placement (blocks kept in runs)."""
+
+    scatter = False
+
+
 class CollidingLifecycle(PagedLifecycle):
     """The same lifecycles under a hash that collides on almost every block."""
 
@@ -218,5 +226,7 @@ SETTINGS = settings(
 )
 TestPagedLifecycle = PagedLifecycle.TestCase
 TestPagedLifecycle.settings = SETTINGS
+TestRunKeepingLifecycle = RunKeepingLifecycle.TestCase
+TestRunKeepingLifecycle.settings = SETTINGS
 TestCollidingLifecycle = CollidingLifecycle.TestCase
 TestCollidingLifecycle.settings = SETTINGS
