@@ -9,9 +9,10 @@ Placement: a sequence's next block is the one after its last where that is free,
 sequence that cannot continue (a new one, or one whose neighbour is taken) starts in the
 middle of the longest run of free blocks, leaving the first half to whoever ends before it.
 So a sequence's K/V mostly lies in runs of consecutive blocks, which the decode kernel reads
-like a contiguous slot: 0.76-0.80 ms per layer against 0.95-0.96 ms with the blocks scattered
-(batch 64 x 320 tokens, SmolLM2's shape, bf16, benchmarks/bench_kernels.py), 4.3-4.5 against
-5.5-5.7 ms at 2,048 tokens.
+faster: 0.83-0.87 ms per layer against 0.94-1.01 ms with the blocks scattered (batch 64 x 320
+tokens, SmolLM2's shape, bf16, benchmarks/bench_kernels.py), 4.3-4.5 against 5.5-5.7 ms at
+2,048 tokens. Reusing the most recently freed block instead scatters every table once requests
+come and go (docs/paging.md).
 """
 
 from __future__ import annotations
