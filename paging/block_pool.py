@@ -82,6 +82,14 @@ class BlockPool:
         self._note_in_use()
         return block
 
+    def allocate_run(self, count: int, after: int | None = None) -> list[Block]:
+        """count blocks for new KV, each placed to follow the one before it (the first to follow
+        `after`); the caller has checked that they are free."""
+        blocks: list[Block] = []
+        for _ in range(count):
+            blocks.append(self.allocate(blocks[-1].block_id if blocks else after))
+        return blocks
+
     def take(self, block: Block) -> None:
         """One more reference to a block that is in use or cached free (a prefix hit, a fork)."""
         if block.ref_count == 0:

@@ -173,8 +173,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         if copy_last:
             self._copy_on_write(seq, len(hits) - 1)
             seq.block_keys.pop()
-        while len(seq.block_table) < self._blocks_for(seq.num_tokens):
-            seq.block_table.append(self.pool.allocate(self._last_block(seq)).block_id)
+        self._append_blocks(seq, self._blocks_for(seq.num_tokens) - len(seq.block_table))
         seq.num_computed = min(len(hits) * self.block_size, seq.num_tokens - 1)
         self._sync_row(seq, 0)
         if self.enable_prefix_caching:
@@ -205,8 +204,7 @@ class PagedKVCache(KVCache[PagedPlan]):
             raise OutOfKVMemory(fresh + shared_last, self.pool.num_free, "blocks")
         if shared_last:
             self._copy_on_write(seq, len(seq.block_table) - 1)
-        for _ in range(fresh):
-            seq.block_table.append(self.pool.allocate(self._last_block(seq)).block_id)
+        self._append_blocks(seq, fresh)
         if fresh or shared_last:  # a decode adds a block once per block_size steps
             self._sync_row(seq, len(seq.block_table) - fresh - shared_last)
         seq.token_ids.extend(new)
@@ -294,9 +292,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         placed: dict[tuple[int, int], Block] = {}
         for host_id, host in hosts.items():
             host_blocks = [h for i, h in wanted if i == host_id]
-            blocks = []
-            for _ in host_blocks:  # in a run, as they were
-                blocks.append(self.pool.allocate(blocks[-1].block_id if blocks else None))
+            blocks = self.pool.allocate_run(len(host_blocks))  # in a run, as they were
             self._from_host(host, host_blocks, [b.block_id for b in blocks])
             placed.update(((host_id, h), b) for h, b in zip(host_blocks, blocks, strict=True))
             self._events.swap_in_bytes += len(host_blocks) * host[:, :, 0].numel() * host.element_size()
@@ -372,9 +368,10 @@ class PagedKVCache(KVCache[PagedPlan]):
         self._blocks, self._token_rows = [], []
 
     # -------------------------------------------------------------- helpers
-    @staticmethod
-    def _last_block(seq: PagedSequence) -> int | None:
-        return seq.block_table[-1] if seq.block_table else None
+    def _append_blocks(self, seq: PagedSequence, count: int) -> None:
+        """count new blocks at the end of seq's table, in a run after its last."""
+        last = seq.block_table[-1] if seq.block_table else None
+        seq.block_table += [b.block_id for b in self.pool.allocate_run(count, last)]
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
