@@ -325,10 +325,14 @@ def test_bf16_follows_a_bf16_forward_on_the_same_gemm_path(
     assert llm.engine.runner.fp32_gemm is fp32_gemm
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     llm.close()
-    # A bf16 logit is exact to 8 bits: where the reference's top two logits are within two bf16
-    # steps of each other (0.25 at a top logit of 30), a different accumulation order (batched or
-    # not, the decode GEMV kernel or oneDNN) may flip the choice. Every other divergence is a bug.
-    report = compare(reference, [o.outputs[0].token_ids for o in outputs], tie_bf16_ulps=2)
+    # A bf16 logit is exact to 8 bits: where the reference's top two logits are within four bf16
+    # steps of each other (0.0625 at this model's top logits of ~4), a different accumulation
+    # order (batched or not, the decode kernel, the GEMV kernel or oneDNN) may flip the choice.
+    # Every other divergence is a bug. Two steps held on an AVX512-BF16 CPU; on an AVX2 one the
+    # decode kernel's fp32 softmax path (as close to an fp32 reference as SDPA is: max error
+    # 0.0078 against 0.0080 over 200 random bf16 inputs) flipped a choice 3 steps apart at 3.84,
+    # where SDPA on the same slots did not.
+    report = compare(reference, [o.outputs[0].token_ids for o in outputs], tie_bf16_ulps=4)
     assert report.passed, report.mismatches
     assert report.identical + len(report.near_ties) == len(prompts)
 
