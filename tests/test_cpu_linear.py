@@ -1,14 +1,18 @@
-"""Which GEMM a half-precision model's linears run on the CPU, and that prepacked oneDNN
-GEMMs give the same values as plain ones."""
+"""Which GEMM a half-precision model's linears run on the CPU, that prepacked oneDNN GEMMs
+give the same values as plain ones, and that the GEMV kernel (AVX512-BF16 or AVX2) computes
+what a bf16 GEMM computes."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import pytest
 import torch
 
 from vmkv.engine import cpu_linear, gemv_kernel
 from vmkv.engine.config import EngineConfig
-from vmkv.engine.cpu_linear import pack_linears, wants_fp32_gemm, wants_packed_gemm
+from vmkv.engine.cpu_linear import linear_packing, pack_linears
 
 
 @pytest.mark.parametrize("native", [False, True])
@@ -16,13 +20,11 @@ def test_native_bf16_cpus_get_packed_gemms_and_the_others_fp32_ones(
     monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
     monkeypatch.setattr(cpu_linear, "has_native_half_gemm", lambda dtype: native)
-    bf16 = EngineConfig(dtype="bfloat16")
-    assert wants_fp32_gemm(bf16) is not native
-    assert wants_packed_gemm(bf16, wants_fp32_gemm(bf16)) is native
-    fp32 = EngineConfig(dtype="float32")
-    assert not wants_fp32_gemm(fp32) and not wants_packed_gemm(fp32, False)  # fp32 models are left alone
-    forced = EngineConfig(dtype="bfloat16", fp32_gemm=True)
-    assert wants_fp32_gemm(forced) and not wants_packed_gemm(forced, True)
+    assert linear_packing(EngineConfig(dtype="bfloat16")) == ("onednn" if native else "fp32")
+    assert linear_packing(EngineConfig(dtype="float32")) is None  # fp32 models are left alone
+    assert linear_packing(EngineConfig(dtype="bfloat16", fp32_gemm=True)) == "fp32"
+    # torch's own bf16 GEMM where forced and not native
+    assert linear_packing(EngineConfig(dtype="bfloat16", fp32_gemm=False)) == ("onednn" if native else None)
 
 
 def test_the_bench_picks_the_dtype_the_engine_runs_natively() -> None:
@@ -30,7 +32,38 @@ def test_the_bench_picks_the_dtype_the_engine_runs_natively() -> None:
 
     native = cpu_linear.has_native_half_gemm(torch.bfloat16)
     assert auto_dtype() == ("bfloat16" if native else "float32")
-    assert wants_fp32_gemm(EngineConfig(dtype="bfloat16")) is not native
+    assert (linear_packing(EngineConfig(dtype="bfloat16")) == "fp32") is not native
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64])
+def test_fp32_packed_linears_compute_what_a_bf16_gemm_computes(rows: int) -> None:
+    """Any CPU: up to four rows the GEMV kernel (AVX512-BF16 or AVX2, where it builds) reads
+    the bf16 weight; more go to fp32 GEMMs, in slices of 1,024 outputs, of the same values."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(2500, 576, generator=gen).to(torch.bfloat16)  # 2,500: a partial last slice
+    bias = torch.randn(2500, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 1152, generator=gen).to(torch.bfloat16)[:, :576]  # rows 1152 apart
+    linear = torch.nn.Linear(576, 2500).to(torch.bfloat16)
+    linear.weight.data, linear.bias.data = weight, bias
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float()).to(torch.bfloat16)
+    with torch.inference_mode():
+        pack_linears(linear, "fp32")
+        got = linear(x)
+        strided = linear(x[:, None].transpose(0, 1)).transpose(0, 1)[:, 0]
+    exact = x.double() @ weight.double().t() + bias.double()
+    # within one bf16 rounding of the exact sum (plus fp32 summation error) ...
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+    assert torch.equal(strided, got)
+    if rows > gemv_kernel.MAX_ROWS:  # ... and the fp32 GEMM's values exactly, but for the sum's order
+        assert (got == expected).float().mean() > 0.999
+
+
+def test_the_gemv_kernel_builds_where_the_cpu_and_a_compiler_allow() -> None:
+    """A CPU with AVX2 (or AVX512-BF16) and a C++ compiler gets the C++ operator, not its
+    Python fallback, which would read fp32 weights for every decode linear."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None or gemv_kernel.gemv_isa() is None:
+        pytest.skip("no C++ compiler, or a CPU with neither AVX2 nor AVX512-BF16")
+    assert gemv_kernel.register()
 
 
 @pytest.mark.skipif(
@@ -45,7 +78,7 @@ def test_native_linears_compute_what_a_bf16_gemm_computes() -> None:
     with torch.inference_mode():
         expected = model(x)
         first = model[0](x[0, :1])
-        pack_linears(model)
+        pack_linears(model, "onednn")
         got = model(x)
         strided = model(x.transpose(0, 1)).transpose(0, 1)
         few_rows = model[0](x[0, :1])

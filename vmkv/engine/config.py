@@ -35,10 +35,11 @@ class EngineConfig:
     seed: int = 0  # for requests that give no seed of their own
     # torch's intra-op threads for the engine's process; None leaves torch's default (one per core)
     num_threads: int | None = None
-    # Run bf16/fp16 linear layers as fp32 GEMMs of the same values, rounding outputs back: the
-    # arithmetic of a half-precision GEMM (fp32 accumulation), for CPUs that lack one natively,
-    # where torch's fallback is several times slower (benchmarks/bench_gemm.py). None: only
-    # where no native kernel exists.
+    # On the CPU, run bf16/fp16 linear layers as fp32 GEMMs of the same values, rounding outputs
+    # back: the arithmetic of a half-precision GEMM (fp32 accumulation), for CPUs that lack one
+    # natively, where torch's fallback is several times slower (benchmarks/bench_gemm.py); decode
+    # calls of a few rows still read the bf16 weights (engine/cpu_linear.py). None: only where
+    # no native kernel exists.
     fp32_gemm: bool | None = None
     # Run the decoder under torch.compile (inductor), compiled once at start; eager if off or if
     # compiling fails. Off by default: see docs/engine.md for the measured start-up cost and gain.

@@ -1,14 +1,22 @@
 """`vmkv::packed_linear`, a half-precision CPU linear as one C++ torch operator, with a bf16
-matrix-vector kernel for decode steps of a few rows on CPUs with AVX512-BF16.
+matrix-vector kernel for decode steps of a few rows.
 
 At one to a few rows a linear layer is a pass over its weight, so its speed is the memory
-bandwidth it reaches. oneDNN (prepacked) read a [1536, 576] bf16 weight at 12 GB/s on one
-core of an AVX512-BF16 EPYC whose plain sum reads 18 GB/s. The kernel streams the original
-row-major weight once, one row at a time: `vdpbf16ps` on the raw bf16 values into fp32
-sums, the bias added in fp32, one round-to-nearest-even to bf16, so it computes what a bf16
-GEMM computes, summed in another order (0.07% of outputs one bf16 step apart from torch's
-in a [1536, 576] test). Output columns are split over torch's threads. More rows go to
-oneDNN's GEMM on the weight prepacked at load.
+bandwidth it reaches. The kernel streams the original row-major bf16 weight once, one row at
+a time, into fp32 sums, adds the bias in fp32 and rounds once to bf16, so it computes what a
+bf16 GEMM computes, summed in another order. Output columns are split over torch's threads.
+More rows go to a GEMM on `packed`, the weight prepared at load (cpu_linear.py). Two builds:
+
+- AVX512-BF16: `vdpbf16ps` on the raw bf16 values; `packed` is oneDNN's layout of the weight.
+  oneDNN (prepacked) read a [1536, 576] bf16 weight at 12 GB/s on one core of an AVX512-BF16
+  EPYC whose plain sum reads 18 GB/s; the kernel's outputs were within one bf16 step of
+  torch's (0.07% of them apart in a [1536, 576] test).
+- AVX2 with FMA, for CPUs without native bf16: the weights are widened to fp32 in registers,
+  so a decode step reads 2 bytes per weight; `packed` is the weight in fp32, for fp32 GEMMs
+  of the same values (in slices of 1,024 output columns, whose output stays in cache). On a
+  2-core AVX2 EPYC the fp32 GEMM for one row (MKL) read its weights at 5.9 GB/s where a plain
+  fp32 sum over two threads reads 13 GB/s: a batch-1 step of the default model spent ~100 ms
+  in its linears and vocabulary projection.
 
 Why C++ and not a Python function: a decode step of the default model makes 210 linear
 calls. Through a Python `torch.library.custom_op` each cost ~20 µs beyond the kernel
@@ -17,8 +25,8 @@ eager or compiled (inductor calls the operator from its generated code).
 
 Built with the system C++ compiler against torch's headers (~10 s) on first use and cached
 per source, flags and torch version (vmkv/native_build.py).
-Where it cannot be built or the CPU lacks AVX512-BF16, `register()` defines the same
-operator in Python over oneDNN alone, so callers never see the difference.
+Where it cannot be built or the CPU has neither instruction set, `register()` defines the
+same operator in Python over the GEMM alone, so callers never see the difference.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import os
 import shutil
 import subprocess
 import sysconfig
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -37,30 +45,33 @@ from vmkv.native_build import build_failure, build_library
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 4  # more rows than this reuse a weight enough for oneDNN's blocked GEMM to win
+MAX_ROWS = 4  # more rows than this reuse a weight enough for a blocked GEMM to win
 SCHEMA = "packed_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor"
-_FLAGS = (
-    "-O3",
-    "-std=c++17",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-fopenmp",
-    "-fPIC",
-    "-shared",
-)
+_FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared")
+# the GEMV's instructions: vdpbf16ps on bf16 pairs, or AVX2 FMAs on weights widened in registers
+_ISA_FLAGS = {
+    "avx512_bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+    "avx2": ("-mavx2", "-mfma"),
+}
 SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <immintrin.h>
+#include <string.h>
 #include <torch/library.h>
+
+#include <vector>
 
 namespace {
 
 constexpr int64_t MAX_ROWS = 4;
+constexpr int64_t SLICE = 1024; /* output columns per fp32 GEMM: its output stays in cache */
+
+#if defined(__AVX512BF16__)
+constexpr int64_t K_MULTIPLE = 32;
 constexpr int64_t BLOCK = 16; /* output columns per work item: one masked 16-lane bf16 store */
 
 inline __m512 dot(const uint16_t *x, const uint16_t *w, int64_t k_len) {
@@ -98,6 +109,75 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
         }
     });
 }
+#else
+/* AVX2 + FMA: each 32-bit lane of 16 loaded bf16 weights holds an even and an odd element,
+   and (lane << 16), (lane & 0xffff0000) are the two as fp32, so a weight is widened in
+   registers and only its 2 bytes cross the memory bus. x is split into its even and odd
+   elements once per call to match. Products of bf16 values are exact in fp32; the sums are
+   fp32 and the output is rounded once, as in the fp32 GEMM of the same values. */
+constexpr int64_t K_MULTIPLE = 16;
+
+inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+template <int R>
+void gemv_rows(const float *xs, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t n_len,
+               int64_t k_len) {
+    const int64_t half = k_len / 2; /* xs: R rows of [even elements | odd elements] */
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    at::parallel_for(0, n_len, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; n++) {
+            const uint16_t *row = w + n * k_len;
+            __m256 even[R], odd[R];
+            for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < k_len; k += 16) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(row + k));
+                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+                for (int r = 0; r < R; r++) {
+                    even[r] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xs + r * k_len + k / 2), even[r]);
+                    odd[r] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + r * k_len + half + k / 2), odd[r]);
+                }
+            }
+            const float b = bias ? bf16_to_float(bias[n]) : 0.0f;
+            for (int r = 0; r < R; r++)
+                y[r * n_len + n] = float_to_bf16(hsum(_mm256_add_ps(even[r], odd[r])) + b);
+        }
+    });
+}
+
+void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t rows,
+               int64_t n_len, int64_t k_len, int64_t x_stride) {
+    std::vector<float> xs(rows * k_len);
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t k = 0; k < k_len; k++)
+            xs[m * k_len + (k % 2) * (k_len / 2) + k / 2] = bf16_to_float(x[m * x_stride + k]);
+    switch (rows) {
+        case 1: gemv_rows<1>(xs.data(), w, bias, y, n_len, k_len); break;
+        case 2: gemv_rows<2>(xs.data(), w, bias, y, n_len, k_len); break;
+        case 3: gemv_rows<3>(xs.data(), w, bias, y, n_len, k_len); break;
+        default: gemv_rows<4>(xs.data(), w, bias, y, n_len, k_len); break;
+    }
+}
+#endif
 
 using OptionalTensor = std::optional<at::Tensor>;
 using Scalars = c10::List<std::optional<at::Scalar>>;
@@ -110,23 +190,45 @@ at::Tensor onednn_linear(const at::Tensor &x, const at::Tensor &packed, const Op
     return op.call(x, packed, bias, "none", Scalars(), std::nullopt);
 }
 
+/* fp32 GEMMs of the half-precision values, SLICE output columns at a time, the output rounded
+   once: a half-precision GEMM's arithmetic for CPUs without one (packed is the fp32 weight). */
+at::Tensor fp32_linear(const at::Tensor &x, const at::Tensor &packed, const OptionalTensor &bias) {
+    const int64_t k_len = x.size(-1), n_len = packed.size(0);
+    at::Tensor rows = x.reshape({-1, k_len}).to(at::kFloat);
+    at::Tensor out = at::empty({rows.size(0), n_len}, rows.options());
+    for (int64_t start = 0; start < n_len; start += SLICE) {
+        const int64_t width = n_len - start < SLICE ? n_len - start : SLICE;
+        at::Tensor slice = out.narrow(1, start, width);
+        at::mm_out(slice, rows, packed.narrow(0, start, width).t());
+    }
+    if (bias) out.add_(*bias);
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = n_len;
+    return out.to(x.scalar_type()).view(sizes);
+}
+
 bool gemv_takes(const at::Tensor &x, const at::Tensor &weight, const OptionalTensor &bias) {
     const int64_t k_len = x.size(-1);
-    return x.numel() <= MAX_ROWS * k_len && k_len % 32 == 0 && x.scalar_type() == at::kBFloat16 &&
+    return x.numel() <= MAX_ROWS * k_len && k_len % K_MULTIPLE == 0 && x.scalar_type() == at::kBFloat16 &&
            weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
            (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()));
 }
 
-/* x [..., K] (any strides) @ weight [N, K].T (+ bias) -> [..., N] */
+/* x [..., K] (any strides) @ weight [N, K].T (+ bias) -> [..., N]. packed: oneDNN's layout of
+   weight, or weight in fp32 where the CPU has no native half-precision GEMM. */
 at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
                          const OptionalTensor &bias) {
-    if (!gemv_takes(x, weight, bias)) return onednn_linear(x, packed, bias);
+    if (!gemv_takes(x, weight, bias)) {
+        if (packed.scalar_type() == at::kFloat) return fp32_linear(x, packed, bias);
+        return onednn_linear(x, packed, bias);
+    }
     const int64_t k_len = x.size(-1), n_len = weight.size(0);
     at::Tensor rows = x.reshape({-1, k_len});
-    if (rows.size(0) > 1 && rows.stride(1) != 1) rows = rows.contiguous();
+    if (rows.stride(1) != 1) rows = rows.contiguous();
     std::vector<int64_t> sizes = x.sizes().vec();
     sizes.back() = n_len;
     at::Tensor out = at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous));
+    if (rows.size(0) == 0) return out;
     gemv_bf16(static_cast<const uint16_t *>(rows.const_data_ptr()),
               static_cast<const uint16_t *>(weight.const_data_ptr()),
               bias ? static_cast<const uint16_t *>(bias->const_data_ptr()) : nullptr,
@@ -148,20 +250,34 @@ _LIBRARIES: list[torch.library.Library] = []
 @cache
 def register() -> bool:
     """Define `vmkv::packed_linear`, once per process; True if the C++ kernel backs it, False
-    if the Python fallback (oneDNN for every row count) does."""
-    native = torch.cpu._is_avx512_bf16_supported() and _load_native()
+    if the Python fallback (no GEMV: the GEMM for every row count) does."""
+    isa = gemv_isa()
+    native = isa is not None and _load_native(isa)
     if not native:
         library = torch.library.Library("vmkv", "FRAGMENT")
         library.define(SCHEMA)
-        library.impl("packed_linear", _onednn_linear, "CompositeExplicitAutograd")
+        library.impl("packed_linear", _python_linear, "CompositeExplicitAutograd")
         _LIBRARIES.append(library)  # the registration lives as long as the Library object
     torch.library.register_fake("vmkv::packed_linear")(_fake)
     return native
 
 
-def _onednn_linear(
+def gemv_isa() -> str | None:
+    """The instruction set the GEMV kernel is built for on this CPU: AVX512-BF16, else AVX2 with
+    FMA (torch's AVX2 capability requires both), else none."""
+    if torch.cpu._is_avx512_bf16_supported():
+        return "avx512_bf16"
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return "avx2"
+    return None
+
+
+def _python_linear(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    if packed.dtype == torch.float32:  # what the C++ operator's fp32 path computes, slices aside
+        fp32_bias = None if bias is None else bias.float()
+        return torch.nn.functional.linear(x.float(), packed, fp32_bias).to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -171,16 +287,16 @@ def _fake(
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _load_native() -> bool:
+def _load_native(isa: str) -> bool:
     try:
-        torch.ops.load_library(str(_build()))
+        torch.ops.load_library(str(_build(isa)))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        log.warning("bf16 GEMV kernel unavailable, decode linears use oneDNN: %s", build_failure(e))
+        log.warning("bf16 GEMV kernel unavailable, decode linears use the GEMM: %s", build_failure(e))
         return False
     return True
 
 
-def _compile_command(source: Path, target: Path) -> list[str]:
+def _compile_command(isa: str, source: Path, target: Path) -> list[str]:
     from torch.utils import cpp_extension  # ~120 ms to import; only a build needs it
 
     compiler = shutil.which(os.environ.get("CXX", "c++"))
@@ -190,6 +306,7 @@ def _compile_command(source: Path, target: Path) -> list[str]:
     return [
         compiler,
         *_FLAGS,
+        *_ISA_FLAGS[isa],
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),
         f"-I{sysconfig.get_paths()['include']}",
@@ -203,7 +320,7 @@ def _compile_command(source: Path, target: Path) -> list[str]:
     ]
 
 
-def _build() -> Path:
+def _build(isa: str) -> Path:
     """Compile the source, or reuse an earlier build of the same source, flags and torch."""
-    depends_on = [" ".join(_FLAGS), torch.__version__]
-    return build_library("packed_linear", SOURCE, ".cpp", depends_on, _compile_command)
+    depends_on = [" ".join(_FLAGS + _ISA_FLAGS[isa]), torch.__version__]
+    return build_library("packed_linear", SOURCE, ".cpp", depends_on, partial(_compile_command, isa))

@@ -19,7 +19,7 @@ from vmkv import faults
 from vmkv.engine.attention_hook import ATTENTION_NAME, step_context
 from vmkv.engine.compiled import compile_decoder, compiled_stance
 from vmkv.engine.config import EngineConfig
-from vmkv.engine.cpu_linear import pack_linears, run_linears_in_fp32, wants_fp32_gemm, wants_packed_gemm
+from vmkv.engine.cpu_linear import linear_packing, pack_linears
 from vmkv.engine.outputs import PromptLogprob
 from vmkv.engine.scheduler import ScheduledSeq
 from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
@@ -46,12 +46,10 @@ class ModelRunner:
         self.model.to(self.device)
         if shard is not None:  # before the linears are converted or packed: they see the rank's part
             shard(self.model)
-        self.fp32_gemm = wants_fp32_gemm(config)
-        self.packed_gemm = wants_packed_gemm(config, self.fp32_gemm)
-        if self.fp32_gemm:
-            run_linears_in_fp32(self.model)
-        elif self.packed_gemm:
-            pack_linears(self.model)
+        self.packing = linear_packing(config)
+        self.fp32_gemm = self.packing == "fp32"
+        if self.packing is not None:
+            pack_linears(self.model, self.packing)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         hf = self.model.config
@@ -138,7 +136,7 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on the sampling rows, as float32 [S, V]; plain CPU weights through linear_in_slices."""
-        if self.device.type != "cpu" or self.packed_gemm or not isinstance(self.lm_head, torch.nn.Linear):
+        if self.device.type != "cpu" or self.packing or not isinstance(self.lm_head, torch.nn.Linear):
             return self.lm_head(hidden).float()
         weight, bias = self.lm_head.weight, self.lm_head.bias
         x = hidden.to(weight.dtype)

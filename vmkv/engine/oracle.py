@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from vmkv.engine.cpu_linear import has_native_half_gemm, run_linears_in_fp32
+from vmkv.engine.cpu_linear import has_native_half_gemm, pack_linears
 from vmkv.model.store import load_model
 
 # Varied chat prompts, short to long, for the oracle and the fast tests.
@@ -109,7 +109,7 @@ def reference_greedy(
     if fp32_gemm is None:
         fp32_gemm = dtype != torch.float32 and not has_native_half_gemm(dtype)
     if fp32_gemm and dtype != torch.float32:
-        run_linears_in_fp32(model)
+        pack_linears(model, "fp32")
     eos = model.generation_config.eos_token_id
     stop = {eos} if isinstance(eos, int) else set(eos or ())
     runs = []
