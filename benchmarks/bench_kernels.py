@@ -37,6 +37,7 @@ import torch
 from vmkv.drivers import DEFAULT_PAGE_SIZE, huge_page_size, shmem_huge_pages
 from vmkv.paging import PagedKVCache
 
+from vmkv.engine.cpu_linear import has_native_half_gemm
 from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
 from vmkv.vattention import VAttentionKVCache
 
@@ -222,7 +223,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rounds = args.rounds or (5 if args.quick else 9)
     contexts = [320, 2048] if args.quick else [320, 1024, 2048, 4096]
-    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    bf16 = has_native_half_gemm(torch.bfloat16)
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads, native bf16: {bf16}, medians of {rounds}")
     pages = f"vattention pages of {args.page_size >> 10} KiB"

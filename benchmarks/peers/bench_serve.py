@@ -145,9 +145,13 @@ def install_peer(venv: Path) -> Path:
 
 
 def native_bf16() -> bool:
+    """The engine's own rule: oneDNN's bf16 check also says yes on plain AVX-512, where bf16
+    is emulated and the peer would be timed on a slow path."""
     import torch
 
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    from vmkv.engine.cpu_linear import has_native_half_gemm
+
+    return has_native_half_gemm(torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------ servers
