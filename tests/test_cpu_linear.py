@@ -39,9 +39,9 @@ def test_the_bench_picks_bf16_where_decode_reads_bf16_weights() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64])
 def test_fp32_packed_linears_compute_what_a_bf16_gemm_computes(rows: int) -> None:
     """Any CPU: up to four rows the GEMV kernel (AVX512-BF16 or AVX2, where it builds) reads
-    the bf16 weight; more go to fp32 GEMMs, in slices of 1,024 outputs, of the same values."""
+    the bf16 weight; more go to oneDNN's fp32 GEMM of the same values."""
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(2500, 576, generator=gen).to(torch.bfloat16)  # 2,500: a partial last slice
+    weight = torch.randn(2500, 576, generator=gen).to(torch.bfloat16)
     bias = torch.randn(2500, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, 1152, generator=gen).to(torch.bfloat16)[:, :576]  # rows 1152 apart
     linear = torch.nn.Linear(576, 2500).to(torch.bfloat16)

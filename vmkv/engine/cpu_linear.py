@@ -14,9 +14,11 @@ rows reads, prepared once at load (`linear_packing` says which):
   lowers oneDNN's op only for frozen constant weights).
 - "fp32", without them: torch's fallback bf16 GEMM is several times slower than fp32 (on a
   2-core AVX2 CPU, 7.8 against 52.6 GFLOP/s: `benchmarks/bench_gemm.py`), so the weight is
-  also held in fp32 (the same values) and more rows compute `linear(x.float(), W).to(bf16)`:
-  a bf16 GEMM's arithmetic (fp32 accumulation, one rounding of the output) through the fp32
-  kernel. The GEMV still reads the bf16 original: half the bytes of a pass over the weights.
+  also held in fp32 (the same values, in oneDNN's prepacked layout: 5-20% faster than MKL's
+  plain fp32 GEMM from 8 rows up on a 2-core AVX2 EPYC, and 2x at the vocabulary projection)
+  and more rows compute `linear(x.float(), W).to(bf16)`: a bf16 GEMM's arithmetic (fp32
+  accumulation, one rounding of the output) through the fp32 kernel. The GEMV still reads the
+  bf16 original: half the bytes of a pass over the weights.
 - float32 models and GPUs are left alone.
 """
 
@@ -60,10 +62,9 @@ def pack_linears(model: torch.nn.Module, packing: str) -> None:
     gemv_kernel.register()
     for module in _half_linears(model):
         weight = module.weight.detach()
-        if packing == "fp32":
-            module.packed_weight = weight.float()
-        else:
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
+            weight.float() if packing == "fp32" else weight
+        )
         module.forward = partial(_packed_linear, module)
 
 

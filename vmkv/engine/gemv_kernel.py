@@ -12,11 +12,10 @@ More rows go to a GEMM on `packed`, the weight prepared at load (cpu_linear.py).
   EPYC whose plain sum reads 18 GB/s; the kernel's outputs were within one bf16 step of
   torch's (0.07% of them apart in a [1536, 576] test).
 - AVX2 with FMA, for CPUs without native bf16: the weights are widened to fp32 in registers,
-  so a decode step reads 2 bytes per weight; `packed` is the weight in fp32, for fp32 GEMMs
-  of the same values (in slices of 1,024 output columns, whose output stays in cache). On a
-  2-core AVX2 EPYC the fp32 GEMM for one row (MKL) read its weights at 5.9 GB/s where a plain
-  fp32 sum over two threads reads 13 GB/s: a batch-1 step of the default model spent ~100 ms
-  in its linears and vocabulary projection.
+  so a decode step reads 2 bytes per weight; `packed` is oneDNN's layout of the weight in
+  fp32, for fp32 GEMMs of the same values. On a 2-core AVX2 EPYC the fp32 GEMM for one row
+  (MKL) read its weights at 5.9 GB/s where a plain fp32 sum over two threads reads 13 GB/s: a
+  batch-1 step of the default model spent ~100 ms in its linears and vocabulary projection.
 
 Why C++ and not a Python function: a decode step of the default model makes 210 linear
 calls. Through a Python `torch.library.custom_op` each cost ~20 µs beyond the kernel
@@ -58,7 +57,6 @@ SOURCE = r"""
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 #include <immintrin.h>
 #include <string.h>
 #include <torch/library.h>
@@ -68,7 +66,6 @@ SOURCE = r"""
 namespace {
 
 constexpr int64_t MAX_ROWS = 4;
-constexpr int64_t SLICE = 1024; /* output columns per fp32 GEMM: its output stays in cache */
 
 #if defined(__AVX512BF16__)
 constexpr int64_t K_MULTIPLE = 32;
@@ -190,21 +187,11 @@ at::Tensor onednn_linear(const at::Tensor &x, const at::Tensor &packed, const Op
     return op.call(x, packed, bias, "none", Scalars(), std::nullopt);
 }
 
-/* fp32 GEMMs of the half-precision values, SLICE output columns at a time, the output rounded
-   once: a half-precision GEMM's arithmetic for CPUs without one (packed is the fp32 weight). */
+/* oneDNN's fp32 GEMM of the half-precision values (packed: its layout of the weight in fp32),
+   the output rounded once: a half-precision GEMM's arithmetic for CPUs without one. */
 at::Tensor fp32_linear(const at::Tensor &x, const at::Tensor &packed, const OptionalTensor &bias) {
-    const int64_t k_len = x.size(-1), n_len = packed.size(0);
-    at::Tensor rows = x.reshape({-1, k_len}).to(at::kFloat);
-    at::Tensor out = at::empty({rows.size(0), n_len}, rows.options());
-    for (int64_t start = 0; start < n_len; start += SLICE) {
-        const int64_t width = n_len - start < SLICE ? n_len - start : SLICE;
-        at::Tensor slice = out.narrow(1, start, width);
-        at::mm_out(slice, rows, packed.narrow(0, start, width).t());
-    }
-    if (bias) out.add_(*bias);
-    std::vector<int64_t> sizes = x.sizes().vec();
-    sizes.back() = n_len;
-    return out.to(x.scalar_type()).view(sizes);
+    const OptionalTensor fp32_bias = bias ? OptionalTensor(bias->to(at::kFloat)) : std::nullopt;
+    return onednn_linear(x.to(at::kFloat), packed, fp32_bias).to(x.scalar_type());
 }
 
 bool gemv_takes(const at::Tensor &x, const at::Tensor &weight, const OptionalTensor &bias) {
@@ -275,9 +262,9 @@ def gemv_isa() -> str | None:
 def _python_linear(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    if packed.dtype == torch.float32:  # what the C++ operator's fp32 path computes, slices aside
+    if packed.dtype == torch.float32:  # the C++ operator's fp32_linear
         fp32_bias = None if bias is None else bias.float()
-        return torch.nn.functional.linear(x.float(), packed, fp32_bias).to(x.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x.float(), packed, fp32_bias, "none", [], "").to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
