@@ -47,7 +47,6 @@ class ModelRunner:
         if shard is not None:  # before the linears are converted or packed: they see the rank's part
             shard(self.model)
         self.packing = linear_packing(config)
-        self.fp32_gemm = self.packing == "fp32"
         if self.packing is not None:
             pack_linears(self.model, self.packing)
         self.decoder = self.model.get_decoder()
@@ -66,6 +65,11 @@ class ModelRunner:
         self.compiled = compiled is not None
         self._forward = self.decoder if compiled is None else compiled
         self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
+
+    @property
+    def fp32_gemm(self) -> bool:
+        """Whether half-precision linears run as fp32 GEMMs of their values (cpu_linear.py)."""
+        return self.packing == "fp32"
 
     @torch.inference_mode()
     def execute(
