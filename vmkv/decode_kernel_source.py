@@ -13,8 +13,8 @@ threads (flash-decoding) and the partial softmax states are combined afterwards.
 Per tile of V tokens (V = vector lanes: 16 with AVX-512, else 8): scores (a vector of partial
 dot products per token and query row, then one transposing reduction tree per row), an online
 softmax in base 2 (scale * log2(e) folded into the scores, fp32), and P V into all G rows. The
-next tile's scores are computed while this tile's softmax chain resolves. Two sets of
-primitives:
+next tile's scores are computed while this tile's softmax chain resolves, and each row scored
+prefetches the row two tiles ahead, so memory and compute overlap. Two sets of primitives:
 - generic (any KV type, AVX2 or AVX-512): K and V widened to fp32, FMA, P in fp32;
 - bf16 K/V on AVX512-BF16: both products on vdpbf16ps (256-bit for the scores, so the tree
   is half as wide; P rounded to bf16 and token pairs of V interleaved for P V).
@@ -346,11 +346,34 @@ static void write_out(kv_t* o, const partial_t* st) {
 /* Tokens in the tile starting at t of a range ending at t1. */
 static inline int tile_len(int64_t t, int64_t t1) { return t1 - t < V ? (int)(t1 - t) : V; }
 
-/* The tile of n tokens at the cursor: its V rows and scores. */
-static inline void score_tile(tile_t* tl, cursor_t* cur, const kv_t* kc, const kv_t* vc, int n,
-                              const qrow_t* q, float scale2) {
+/* Rows are prefetched into L1 PREFETCH_TILES tiles ahead of scoring by a second cursor, one
+   row (its K and V lines) for every row scored, so the misses in flight stay level while the
+   tile computes. Issued in a burst of a tile's rows into L2 instead, at batch 64 on a Zen 5
+   EPYC (43 GB/s copy bandwidth) the kernel ran at the sum of its compute and memory times,
+   not the larger: 0.53-0.66 against 0.51-0.54 ms per layer at 320 tokens token-major,
+   0.59-0.65 against 0.53-0.54 layer-packed, 0.65-0.66 against 0.61 paged, 4.9 against 4.5 ms
+   at 2,048 layer-packed (bench_kernels.py). Head-major runs are prefetched too: there the
+   hardware prefetcher alone gave 0.80 against 0.52 ms at 320 tokens, 4.1 against 2.7 ms at
+   2,048 (on an earlier EPYC with AVX512-BF16 and 24-32 GB/s it streamed them at the roofline,
+   and the burst prefetches cost it 1.3x; the level ones were not measured there). */
+#define PREFETCH_TILES 2
+typedef struct { cursor_t cursor; int64_t next, end; } ahead_t;
+static inline void prefetch_row(ahead_t* a, const kv_t* kc, const kv_t* vc) {
+    if (a->next == a->end) return;
+    a->next++;
+    const int64_t r = cursor_next(&a->cursor);
+    for (int c = 0; c < (int)(HEAD_DIM * sizeof(kv_t)); c += 64) {
+        __builtin_prefetch((const char*)(kc + r) + c, 0, 3);
+        __builtin_prefetch((const char*)(vc + r) + c, 0, 3);
+    }
+}
+
+/* The tile of n tokens at the cursor: its V rows and scores; one row prefetched per row. */
+static inline void score_tile(tile_t* tl, cursor_t* cur, ahead_t* ahead, const kv_t* kc, const kv_t* vc,
+                              int n, const qrow_t* q, float scale2) {
     const kv_t* kr[V];
     for (int i = 0; i < V; i++) {
+        prefetch_row(ahead, kc, vc);
         const int64_t r = i < n ? cursor_next(cur) : -1;
         kr[i] = r < 0 ? zero_row : kc + r;
         tl->v[i] = r < 0 ? zero_row : vc + r;
@@ -379,18 +402,13 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
         lsum[g] = splat(0.f);
         m[g] = -1e30f;
     }
-    /* rows are prefetched into L2 about a tile ahead of scoring, by a second cursor: paged
-       blocks are scattered and every item starts a new stream (into L1 the prefetches
-       evicted the current tile: 1.6x slower token-major, measured). Where a head's rows are one
-       contiguous run (head-major slots) none are issued: the hardware prefetcher streams that
-       run, and at batch 64 the kernel took 0.64-0.71 ms per layer at 320 tokens without them
-       against 0.85-0.88 ms with, 3.0-3.2 against 4.2-4.6 ms at 2,048 (bench_kernels.py). */
-    cursor_t cur, ahead;
+    cursor_t cur;
+    ahead_t ahead = {.next = t0, .end = t1};
     cursor_start(&cur, p, b, t0);
-    cursor_start(&ahead, p, b, t0);
-    int64_t fetched = !p->tables && p->token_stride == HEAD_DIM ? t1 : t0;
+    cursor_start(&ahead.cursor, p, b, t0);
+    while (ahead.next < t1 && ahead.next < t0 + PREFETCH_TILES * V) prefetch_row(&ahead, kc, vc);
     tile_t tiles[2];
-    score_tile(&tiles[0], &cur, kc, vc, tile_len(t0, t1), qr, scale2);
+    score_tile(&tiles[0], &cur, &ahead, kc, vc, tile_len(t0, t1), qr, scale2);
     for (int64_t t = t0, k = 0; t < t1; t += V, k ^= 1) {
         const int n = tile_len(t, t1);
         const tile_t* tl = &tiles[k];
@@ -407,15 +425,7 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
             lsum[g] += pr;
             to_weights(pr, &w[g]);
         }
-        const int64_t until = t + 3 * V < t1 ? t + 3 * V : t1;  /* tile t + V is scored next */
-        for (; fetched < until; fetched++) {
-            const int64_t r = cursor_next(&ahead);
-            for (int c = 0; c < (int)(HEAD_DIM * sizeof(kv_t)); c += 64) {
-                __builtin_prefetch((const char*)(kc + r) + c, 0, 1);
-                __builtin_prefetch((const char*)(vc + r) + c, 0, 1);
-            }
-        }
-        if (t + V < t1) score_tile(&tiles[k ^ 1], &cur, kc, vc, tile_len(t + V, t1), qr, scale2);
+        if (t + V < t1) score_tile(&tiles[k ^ 1], &cur, &ahead, kc, vc, tile_len(t + V, t1), qr, scale2);
         accumulate_pv(acc, tl, n, w);
     }
     for (int g = 0; g < GROUP; g++) {
