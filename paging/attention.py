@@ -113,6 +113,17 @@ class PagedPlan:
     decode: DecodePart | None = None
     flash: FlashPart | None = None
     triton: TritonPart | None = None
+    # the decode kernel writes the new k/v (whole-batch decode steps): at batch 64 the cache's
+    # two index_copy_ per layer took ~2 ms of a ~57 ms step
+    kernel_appends: bool = False
+
+
+def write_tokens(
+    k_blocks: torch.Tensor, v_blocks: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """k/v [T, Hkv, D] into token rows `rows` (block * block_size + offset) of the blocks."""
+    k_blocks.view(-1, *k_blocks.shape[2:]).index_copy_(0, rows, k)
+    v_blocks.view(-1, *v_blocks.shape[2:]).index_copy_(0, rows, v)
 
 
 def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -240,12 +251,13 @@ class BatchedAttention:
                     blocks = torch.tensor(t, device=device) if rows is None else rows[i][: len(t)].to(device)
                 mask = bottom_right_mask(s.num_cached, s.context_len, device)
                 parts.append(SeqPart(starts[i], starts[i + 1], s.num_cached, s.context_len, blocks, mask))
-        plan = PagedPlan(batch, write_rows, parts)
+        whole_batch = len(decode_ids) == len(batch.steps)
+        plan = PagedPlan(batch, write_rows, parts, kernel_appends=self.use_kernel and whole_batch)
         if decode_ids:
             lens = [batch.steps[i].context_len for i in decode_ids]
             plan.decode = DecodePart(
                 rows=torch.tensor([starts[i] for i in decode_ids], dtype=torch.int64, device=device),
-                whole_batch=len(decode_ids) == len(batch.steps),
+                whole_batch=whole_batch,
                 tables=table_rows(
                     [tables[i] for i in decode_ids],
                     None if rows is None else [rows[i] for i in decode_ids],
@@ -268,13 +280,16 @@ class BatchedAttention:
     ) -> torch.Tensor:
         d = plan.decode
         kernel = self._kernel(q, k_blocks) if d is not None and self.use_kernel else None
+        if plan.kernel_appends and kernel is None:  # it could not be built after all: write them here
+            write_tokens(k_blocks, v_blocks, plan.write_rows, k, v)
         if d is not None and d.whole_batch and kernel is None:
             return self._decode_sdpa(q, k_blocks, v_blocks, d, scale).view_as(q)
         out = torch.empty_like(q)
         if kernel is not None:
             if d.kernel_plan is None:  # the same strides in every layer: built once per step
                 d.kernel_plan = paged_plan(d.rows, d.lens, d.tables, k_blocks)
-            kernel(d.kernel_plan, q.contiguous(), k_blocks, v_blocks, out, scale)
+            new = (k.contiguous(), v.contiguous()) if plan.kernel_appends else None
+            kernel(d.kernel_plan, q.contiguous(), k_blocks, v_blocks, out, scale, new)
         elif d is not None:
             out.index_copy_(0, d.rows, self._decode_sdpa(q, k_blocks, v_blocks, d, scale).flatten(1, 2))
         _attend_parts(q, k, v, k_blocks, v_blocks, plan.parts, out, scale, use_kernel=self.use_kernel)

@@ -34,6 +34,7 @@ from .attention import (
     ReferenceAttention,
     TritonAttention,
     flash_available,
+    write_tokens,
 )
 from .block_pool import Block, BlockPool
 from .prefix_cache import BlockKey, chain_hashes
@@ -98,8 +99,6 @@ class PagedKVCache(KVCache[PagedPlan]):
             device=self.device,
         )
         self._blocks = [(self.kv[i, 0], self.kv[i, 1]) for i in range(shape.num_layers)]
-        # the same memory as [token rows, kv_heads, head_dim]: one index_copy_ writes a step's tokens
-        self._token_rows = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self._blocks]
         self.attention = self._attention_path(attention)
         self.seqs: dict[int, PagedSequence] = {}  # by id; read them, change them only through the contract
         # every running sequence's block table as an int32 tensor of max_len's blocks, updated
@@ -345,10 +344,9 @@ class PagedKVCache(KVCache[PagedPlan]):
             raise IndexError(f"layer {layer} out of range for {self.shape.num_layers} layers")
         if q.dtype != self.shape.dtype:
             raise ValueError(f"q is {q.dtype} but the cache holds {self.shape.dtype}")
-        k_rows, v_rows = self._token_rows[layer]
-        k_rows.index_copy_(0, plan.write_rows, k)
-        v_rows.index_copy_(0, plan.write_rows, v)
         k_blocks, v_blocks = self._blocks[layer]
+        if not plan.kernel_appends:
+            write_tokens(k_blocks, v_blocks, plan.write_rows, k, v)
         return self.attention.forward(q, k, v, k_blocks, v_blocks, plan, scale)
 
     def finish_step(self, plan: PagedPlan) -> None:
@@ -365,7 +363,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         self.seqs.clear()
         self._rows.clear()
         self.kv = torch.empty(0, dtype=self.shape.dtype, device=self.device)
-        self._blocks, self._token_rows = [], []
+        self._blocks = []
 
     # -------------------------------------------------------------- helpers
     def _append_blocks(self, seq: PagedSequence, count: int) -> None:
