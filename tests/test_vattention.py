@@ -85,6 +85,8 @@ def check_invariants(cache: VAttentionKVCache, strict: bool) -> None:
             assert pool.refcount[set_id] == holders.get(set_id, 0)
             for unit in range(geo.units):
                 assert drv.map_count(pool.physical(set_id, unit)) == holders.get(set_id, 0)
+        # the reserve kept from an earlier call is still what the kept sets make it
+        assert cache.table.reserve() == sum(len(s.sets) for s in cache.table.private_idle())
         # the pool is conserved: every set is free or held, the driver maps exactly the held pages
         assert pool.free_count + len(holders) == pool.num_sets
         assert drv.stats.pages_mapped == sum(holders.values()) * geo.units

@@ -27,6 +27,7 @@ class PageSetPool:
         self._free = np.ones(self.num_sets, dtype=bool)
         self._free_count = self.num_sets
         self.refcount = [0] * self.num_sets
+        self.version = 0  # bumped by every take, share and release: what holds which set changed
         self.peak_held = 0  # most sets held at once
         self._resident = np.zeros(self.num_sets, dtype=bool)  # taken since its memory last went back
         self._freed_at = np.zeros(self.num_sets)  # monotonic seconds it last became free
@@ -60,6 +61,7 @@ class PageSetPool:
             out.append(want)
             want = (want + 1) % self.num_sets
         self._free_count -= n
+        self.version += 1
         self.peak_held = max(self.peak_held, self.num_sets - self._free_count)
         return out
 
@@ -90,10 +92,12 @@ class PageSetPool:
     def share(self, set_id: int) -> None:
         """One more holder of this set: a slot mapping it (fork, prefix hit) or the prefix index."""
         self.refcount[set_id] += 1
+        self.version += 1
 
     def release(self, set_id: int) -> None:
         """One holder let go of this set; the last one returns it to the free list."""
         self.refcount[set_id] -= 1
+        self.version += 1
         if self.refcount[set_id] == 0:
             self._freed_at[set_id] = time.monotonic()
             self._free[set_id] = True

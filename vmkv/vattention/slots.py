@@ -44,6 +44,7 @@ class SlotTable:
         self.geometry, self.pool = mapping.geometry, mapping.pool
         self.slots = [Slot(i) for i in range(self.geometry.max_slots)]
         self.seqs: dict[int, SlotSeq] = {}
+        self._reserve: tuple[tuple, int] = ((), 0)  # (what it depends on, reserve()) of the last call
 
     def idle(self) -> list[Slot]:
         return [s for s in self.slots if s.seq_id is None]
@@ -251,8 +252,15 @@ class SlotTable:
 
     def reserve(self) -> int:
         """Page sets mapped into private idle slots for the next admissions (pre-mapped, or a
-        finished sequence's pages kept by deferred reclamation): held, but backing no sequence."""
-        return sum(len(s.sets) for s in self.private_idle())
+        finished sequence's pages kept by deferred reclamation): held, but backing no sequence.
+
+        Kept from the last call while no set was taken, shared or released and the same slots
+        are idle: an idle slot's sets and their holders change only through the pool. (The peaks
+        sample it every step, and walking ~700 kept sets took 0.26 ms of an ~11 ms batch-1 step.)"""
+        key = (self.pool.version, tuple(s.index for s in self.slots if s.seq_id is None and s.sets))
+        if key != self._reserve[0]:
+            self._reserve = (key, sum(len(s.sets) for s in self.private_idle()))
+        return self._reserve[1]
 
     def require(self, missing: int, exclude: Slot | list[Slot]) -> None:
         """Raise OutOfKVMemory, before any change, unless `missing` page sets can be found."""
