@@ -180,6 +180,27 @@ def test_deferred_reclamation_keeps_idle_slots_until_the_trim() -> None:
     cache.close()
 
 
+def test_a_forced_trim_frees_every_kept_page_of_a_slot_sharing_one_with_a_running_sequence() -> None:
+    """An idle slot may keep a set a running sequence maps behind private ones (the replicated
+    lifecycle test reached it through prefix hits and swaps). Dropping that set frees nothing:
+    the trim must not count it toward what it frees, or the private set before it stays."""
+    cache = make_cache(prefix_caching=False, kept_watermark=0.0)
+    cache.admit(0, [1] * 100)  # four page sets
+    compute(cache, 0, 0, 100, seed=0)
+    table = cache.table
+    kept = table.slots[cache.seqs[0].slot]
+    shared = kept.sets[2]
+    cache.admit(1, [2] * 10)
+    running = table.slots[cache.seqs[1].slot]
+    table.mapping.drop_pages(running, 0)
+    table.map_cached(running, [shared])  # the running sequence's first page is the kept slot's third
+    cache.free(0)
+    assert table.kept() == 3
+    assert cache.trim(force=True) == 3
+    assert table.kept() == 0 and kept.sets == [] and running.sets == [shared]
+    cache.close()
+
+
 @pytest.mark.parametrize(
     ("order", "pages", "tokens"), [("token", 3, 512), ("head", 1, 512), ("packed", 6, 17)]
 )

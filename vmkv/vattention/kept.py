@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from vmkv.vattention.slots import SlotTable
+from vmkv.vattention.slots import Slot, SlotTable
 
 
 def trim(table: SlotTable, force: bool, drop_reserve: bool = False) -> int:
@@ -53,7 +53,7 @@ def _unmap_kept(table: SlotTable, watermark_sets: int, idle_before: float | None
         excess = table.kept() - watermark_sets
         if excess <= 0 or (idle_before is not None and slot.idle_since > idle_before):
             break
-        keep = len(slot.sets) - min(excess, len(slot.sets))
+        keep = _keep_for(table, slot, excess)
         gone = slot.sets[keep:]
         table.mapping.drop_pages(slot, keep)
         trimmed += [s for s in gone if table.pool.refcount[s] == 0]  # cached ones stay, evictable
@@ -62,6 +62,18 @@ def _unmap_kept(table: SlotTable, watermark_sets: int, idle_before: float | None
         trimmed += table.prefix.evict(excess, idle_before)
     table.mapping.events.page_sets_trimmed += len(trimmed)
     return trimmed
+
+
+def _keep_for(table: SlotTable, slot: Slot, excess: int) -> int:
+    """How many of the idle slot's leading pages to keep so that dropping the rest frees up to
+    `excess` kept sets. Only sets this slot alone holds count: a set another slot or the prefix
+    index also holds stays held when this slot lets it go (a fork's page in a running
+    sequence's slot is in use, not kept)."""
+    keep, freed = len(slot.sets), 0
+    while keep > 0 and freed < excess:
+        keep -= 1
+        freed += table.pool.refcount[slot.sets[keep]] == 1
+    return keep
 
 
 def memory_pressure(min_available: float) -> bool:
