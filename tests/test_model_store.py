@@ -19,7 +19,10 @@ from vmkv.engine.oracle import chat_prompt_ids, reference_greedy
 from vmkv.model import gguf_convert, store
 from vmkv.model.tiny import build_tiny_model
 
-FRANCE = "What is the capital of France?"
+# One sentence asked for: the bare question's first token is a near-tie between "The" and "L"
+# (0.1 apart in fp32, one bf16 step at logit 25), which AMX GEMMs break the other way; here
+# every first token wins by more than a bf16 step in bf16 (AMX, AVX512-BF16, fp32 GEMMs) and fp32.
+FRANCE = "What is the capital of France? Answer in one sentence."
 
 
 @pytest.fixture
