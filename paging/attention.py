@@ -29,7 +29,7 @@ from vmkv.decode_kernel import DecodeKernel, DecodePlan, load_decode_kernel, pag
 from vmkv.flash_support import flash_unusable_reason
 from vmkv.host_metadata import host_query_starts
 from vmkv.kv_cache import StepBatch
-from vmkv.prefill_kernel import causal_attention
+from vmkv.prefill_kernel import causal_attention, faster_than_sdpa
 
 from .triton_attention import TritonPart, paged_attention, triton_part
 
@@ -52,9 +52,9 @@ def causal_sdpa(
     use_kernel: bool = False,
 ) -> torch.Tensor:
     """q [n, Hq, D] over k/v [L, Hkv, D] with a bottom_right_mask (None: nothing cached); GQA.
-    -> [n, Hq, D]. use_kernel: the CPU prefill kernel where it applies (the same causal
-    attention, vmkv/prefill_kernel.py), SDPA elsewhere."""
-    if use_kernel:
+    -> [n, Hq, D]. use_kernel: the CPU prefill kernel where it applies and is the faster (the
+    same causal attention, vmkv/prefill_kernel.py), SDPA elsewhere."""
+    if use_kernel and faster_than_sdpa():
         out = causal_attention(q, k, v, scale)
         if out is not None:
             return out

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from vmkv.dense.plan import DenseSlotPlan, SingleSeq
 from vmkv.kv_cache import KVShape
-from vmkv.prefill_kernel import causal_attention
+from vmkv.prefill_kernel import causal_attention, faster_than_sdpa
 
 
 def attend_dense(
@@ -105,8 +105,8 @@ def _prefill_kernel(
     scale: float,
 ) -> torch.Tensor | None:
     """The CPU prefill kernel on the slot in place, where the layout runs its kernels (not on
-    the "sdpa" path) and the kernel applies; None otherwise."""
-    if not plan.prefill_kernel:
+    the "sdpa" path), the kernel applies and it is the faster here; None otherwise."""
+    if not plan.prefill_kernel or not faster_than_sdpa():
         return None
     keys, values = k_cache[s.slot, : s.context_len], v_cache[s.slot, : s.context_len]
     return causal_attention(q[s.row_start : s.row_end], keys, values, scale)
