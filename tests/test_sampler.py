@@ -26,6 +26,17 @@ def test_greedy_rows_take_the_argmax_next_to_random_rows() -> None:
     assert out.logprobs == [None] * 6
 
 
+def test_greedy_ties_take_the_first_maximum_as_argmax_does() -> None:
+    """bf16 logits tie often (one step is 0.125 at 25); a NaN row takes the NaN, as argmax."""
+    logits = (torch.randn(64, 49152, generator=torch.Generator().manual_seed(1)) * 4).bfloat16().float()
+    logits[:, 40000] = logits[:, 7] = logits.max() + 1  # every row: a tie, the first at 7
+    logits[3, 11] = float("nan")
+    logits[5] = float("-inf")
+    out = Sampler()(logits, rows(SamplingParams(temperature=0.0), 64))
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.token_ids[0] == 7 and out.token_ids[3] == 11 and out.token_ids[5] == 0
+
+
 def test_an_empty_step_samples_nothing_and_mismatched_rows_are_refused() -> None:
     assert Sampler()(torch.empty(0, 50), []).token_ids == []
     with pytest.raises(ValueError, match="one row each"):
