@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 _DTYPE_MACROS = {torch.bfloat16: "KV_BF16", torch.float16: "KV_F16", torch.float32: "KV_F32"}
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
-# Contexts are split over threads only when (sequence, KV head) pairs are too few for the
+# Contexts are split over threads only when sequences are too few for the
 # cores, and never into pieces shorter than this (a piece's fixed cost is ~1 us).
 MIN_SPLIT_TOKENS = 256
 

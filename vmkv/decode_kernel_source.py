@@ -6,9 +6,9 @@ lives at `base + t * token_stride + head * head_stride`, where base is the seque
 baseline) or, for the paged layout, `table[t / block] * block_stride + (t % block) * ...`.
 So the same code serves all layouts and only the addressing differs.
 
-Work: one item per (sequence, KV head, context piece). All G query heads of a KV head
-share one pass over its K and V (GQA). Long contexts with few items are split over the
-threads (flash-decoding) and the partial softmax states are combined afterwards.
+Work: one item per (sequence, context piece), its KV heads in turn. All G query heads of a
+KV head share one pass over its K and V (GQA). Long contexts with few sequences are split over
+the threads (flash-decoding) and the partial softmax states are combined afterwards.
 
 Per tile of V tokens (V = vector lanes: 16 with AVX-512, else 8): scores (a vector of partial
 dot products per token and query row, then one transposing reduction tree per row), an online
@@ -438,10 +438,17 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
 /* Attention of every sequence's query row over its context, for one layer.
    q/out: [T, num_kv_heads * GROUP, HEAD_DIM] contiguous; kc/vc: the layer's K/V base;
    k_new/v_new (or NULL): [T, num_kv_heads, HEAD_DIM] contiguous, the step's new tokens.
-   Work items are (sequence, KV head, context piece): one K and one V stream per item.
-   (Items of all heads of a token, reading token-major rows whole, were 1.5x slower on
-   token-major and paged K/V, measured.) Contexts are split only when items are too few
-   to keep every thread busy, and the pieces' states are then combined. */
+   Work items are (sequence, context piece), each running its KV heads one after another on
+   one thread: one K and one V stream at a time, and the heads' rows of a token, which share
+   pages and DRAM rows (layer-packed: one 4 KiB page per token; token-major and paged: adjacent
+   lines), are read by one core. Items of (sequence, KV head, piece) spread a token's heads
+   over both cores of a 2-core Xeon: at batch 64 this order took 1.03-1.06 against 1.19-1.21 ms
+   per layer at 320 tokens token-major, 1.25-1.27 against 1.43-1.45 layer-packed, 1.06-1.08
+   against 1.26 paged in runs (2,048 tokens: 6.3-6.6 / 7.0-7.2, 9.3 / 9.8-10.1, 6.4 / 7.1-7.3;
+   head-major level; batch 1 and 8 better or level; bench_kernels.py). (Items of all heads of
+   a token in one pass, vectorised across heads, were 1.5x slower on token-major and paged
+   K/V.) Contexts are split only when sequences are too few to keep every thread busy, and the
+   pieces' states are then combined. */
 int decode_attention(const plan_t* p, const kv_t* q, kv_t* kc, kv_t* vc, kv_t* out, float scale,
                      int num_threads, const kv_t* k_new, const kv_t* v_new) {
     const int64_t hkv = p->num_kv_heads, q_row = hkv * GROUP * HEAD_DIM;
@@ -461,8 +468,8 @@ int decode_attention(const plan_t* p, const kv_t* q, kv_t* kc, kv_t* vc, kv_t* o
     /* below ~4k (token, head) pairs waking threads costs more than the work */
     if (total * hkv < 4096) num_threads = 1;
     int64_t split = INT64_MAX;
-    if (num_threads > 1 && p->num_seqs * hkv < 4 * num_threads) {
-        split = (total * hkv + 4 * num_threads - 1) / (4 * num_threads);
+    if (num_threads > 1 && p->num_seqs < 4 * num_threads) {
+        split = (total + 4 * num_threads - 1) / (4 * num_threads);
         split = split < p->min_split ? p->min_split : (split + V - 1) / V * V;
     }
     int64_t* first = malloc((p->num_seqs + 1) * sizeof(int64_t));  /* first piece of each sequence */
@@ -479,19 +486,20 @@ int decode_attention(const plan_t* p, const kv_t* q, kv_t* kc, kv_t* vc, kv_t* o
     #pragma omp parallel num_threads(num_threads) if(num_threads > 1)
     {
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < pieces * hkv; it++) {
-            int64_t lo = 0, hi = p->num_seqs;  /* the sequence holding item it */
+        for (int64_t it = 0; it < pieces; it++) {
+            int64_t lo = 0, hi = p->num_seqs;  /* the sequence holding piece it */
             while (hi - lo > 1) {
                 const int64_t mid = (lo + hi) / 2;
-                if (first[mid] * hkv <= it) lo = mid; else hi = mid;
+                if (first[mid] <= it) lo = mid; else hi = mid;
             }
-            const int64_t b = lo, n = first[b + 1] - first[b], k = it - first[b] * hkv, len = p->lens[b];
-            const int64_t h = k / n, s = k % n;
+            const int64_t b = lo, s = it - first[b], len = p->lens[b];
             const int64_t t0 = scratch ? s * split : 0, t1 = scratch && t0 + split < len ? t0 + split : len;
-            partial_t own;
-            partial_t* st = scratch ? scratch + (first[b] + s) * hkv + h : &own;
-            attend_range(p, q + p->rows[b] * q_row, kc, vc, b, h, t0, t1, scale2, st);
-            if (!scratch) write_out(out + p->rows[b] * q_row + h * GROUP * HEAD_DIM, st);
+            for (int64_t h = 0; h < hkv; h++) {  /* one thread: its rows share pages (packed, token-major) */
+                partial_t own;
+                partial_t* st = scratch ? scratch + it * hkv + h : &own;
+                attend_range(p, q + p->rows[b] * q_row, kc, vc, b, h, t0, t1, scale2, st);
+                if (!scratch) write_out(out + p->rows[b] * q_row + h * GROUP * HEAD_DIM, st);
+            }
         }
         if (scratch) {
             #pragma omp for schedule(dynamic, 1)
