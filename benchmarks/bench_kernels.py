@@ -59,8 +59,9 @@ def l3_bytes() -> int:
 
 # Every sample reads well past the L3, so both the copy and the kernels stream from memory
 # (a 2-core Xeon here reports a 480 MiB L3: at the old fixed 96 MiB its samples were L3 hits)
-COPY_BYTES = min(max(256 << 20, 2 * l3_bytes()), 1 << 30)
-DECODE_READ_BYTES = min(max(96 << 20, 3 * l3_bytes()), 1 << 30)  # per sample
+L3_BYTES = l3_bytes()
+COPY_BYTES = min(max(256 << 20, 2 * L3_BYTES), 1 << 30)
+DECODE_READ_BYTES = min(max(96 << 20, 3 * L3_BYTES), 1 << 30)  # per sample
 
 
 def shape(num_layers: int = 1) -> KVShape:

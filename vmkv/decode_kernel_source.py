@@ -494,7 +494,7 @@ int decode_attention(const plan_t* p, const kv_t* q, kv_t* kc, kv_t* vc, kv_t* o
             }
             const int64_t b = lo, s = it - first[b], len = p->lens[b];
             const int64_t t0 = scratch ? s * split : 0, t1 = scratch && t0 + split < len ? t0 + split : len;
-            for (int64_t h = 0; h < hkv; h++) {  /* one thread: its rows share pages (packed, token-major) */
+            for (int64_t h = 0; h < hkv; h++) {  /* one thread: a token's heads share lines and pages */
                 partial_t own;
                 partial_t* st = scratch ? scratch + it * hkv + h : &own;
                 attend_range(p, q + p->rows[b] * q_row, kc, vc, b, h, t0, t1, scale2, st);
