@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 from vmkv.engine import LLM, SamplingParams
 from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
 from vmkv.model.store import load_tokenizer
+from vmkv.model.tiny import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,6 +64,28 @@ def test_compiled_is_token_identical_to_eager_and_compiles_only_at_start(
     assert counters["stats"]["unique_graphs"] == graphs  # decode and chunked prefill reuse the start's graphs
     report = compare(reference_greedy(tiny_model_dir, prompts[:2], MAX_TOKENS, torch.float32), got[:2])
     assert report.identical == 2
+
+
+def test_engines_of_different_models_in_one_process_each_run_their_own_graphs(
+    tiny_model_dir: Path, tmp_path: Path, prompts: list[list[int]]
+) -> None:
+    """The compiled graphs keep only the guards on their inputs, so a second model's calls must
+    never reach the first model's graphs: each engine compiles an entry point of its own."""
+    deeper = build_tiny_model(
+        tmp_path / "deeper", seed=1, num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=3
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    expected = {}
+    for model_dir in (tiny_model_dir, deeper):
+        eager = make_llm(model_dir, "paged", compile_model=False)
+        expected[model_dir] = [o.outputs[0].token_ids for o in eager.generate(prompts[:3], params)]
+        eager.close()
+    compiled = {model_dir: make_llm(model_dir, "paged", compile_model=True) for model_dir in expected}
+    for model_dir, llm in compiled.items():  # the first model again after the second compiled
+        assert llm.engine.runner.compiled
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params)] == expected[model_dir]
+    for llm in compiled.values():
+        llm.close()
 
 
 def test_a_compiler_failure_falls_back_to_eager_with_a_warning(

@@ -9,26 +9,36 @@ Shapes: the packed batch is [1, T]. `dynamic=True` compiles T symbolically, and 
 specialises T == 1 on its own, so two warm-up forwards (T = 1 and T = 2) compile the two
 graphs every later step uses: batch-1 decode, and any other step (prefill chunks of any
 length, decode batches). Later steps run under the "eager_on_recompile" stance: a shape the
-guards did not foresee runs that step eagerly instead of stalling it for a compile. They also
-skip evaluating the guards that do not tell the two graphs apart (`skip_guard_eval_unsafe`):
-the engine always calls the decoder the same way, with only T varying, and checking every
-guard (the model's modules and parameters included) took 2.0 ms of a ~17 ms batch-1 step and
-3.9 ms of a ~100 ms batch-64 step on two cores, 0.9 and 0.8 ms without them. Inductor
-caches generated code on disk (torch's FX graph and AOTAutograd caches), so another process
-compiling the same model mostly pays dynamo's tracing.
+guards did not foresee runs that step eagerly instead of stalling it for a compile.
+
+Guards: dynamo checks ~5,400 of them before each call (the model's modules, parameters and
+globals): 2.0 ms of a ~17 ms batch-1 step on two cores, and still ~1.0 ms when only the
+guards telling the two graphs apart were evaluated. The engine calls one decoder the same way
+every step with only T varying, so the compiled graphs keep only the guards on the inputs
+(their shapes, hence the choice between the two graphs) and on global state such as grad
+mode: ~0.1 ms. What makes that safe is the entry point: dynamo keeps compiled graphs per code
+object, and each engine compiles a function with a code object of its own around its decoder,
+so no call of another engine (another model, another dtype) can match these graphs.
+Inductor caches generated code on disk (torch's FX graph and AOTAutograd caches), so another
+engine compiling the same model mostly pays dynamo's tracing.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from vmkv.engine.attention_hook import step_context
+
+if TYPE_CHECKING:
+    from torch._dynamo.types import GuardFilterEntry
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +53,7 @@ COMPILE_OPTIONS = {"size_asserts": False}
 # apart from the kernels, so its compile adds seconds, not minutes: a first start with an empty
 # cache took 173 s instead of 166 (one file for both: ~440 s).
 CPU_COMPILE_OPTIONS = {**COMPILE_OPTIONS, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+INPUTS = ("input_ids", "position_ids", "use_cache")  # the entry point's arguments
 
 
 class _WarmupAttention:
@@ -64,11 +75,30 @@ class _WarmupAttention:
         return out.transpose(0, 1).contiguous()
 
 
+def _entry_point(decoder: torch.nn.Module) -> Callable[..., object]:
+    """`decoder` called through a function whose code object is new, so dynamo's cache of
+    compiled graphs (kept per code object) holds this engine's graphs and no other's."""
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, use_cache: bool) -> object:
+        return decoder(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache)
+
+    code = forward.__code__.replace()  # equal, but a distinct object
+    return types.FunctionType(code, forward.__globals__, forward.__name__, None, forward.__closure__)
+
+
+def _input_guards(guards: Sequence[GuardFilterEntry]) -> list[bool]:
+    """Keep the guards on the entry point's arguments and on global state (unnamed); drop
+    those on the model's modules, parameters and globals, which never change under an engine."""
+    return [not g.name or g.name.split(".")[0].split("[")[0] in INPUTS for g in guards]
+
+
 def compile_decoder(decoder: torch.nn.Module, device: torch.device) -> Callable[..., object] | None:
     """Compile `decoder` and run the warm-up forwards; None (with a warning naming the cause)
     if torch.compile cannot handle it, so the caller keeps the eager decoder."""
     options = CPU_COMPILE_OPTIONS if device.type == "cpu" else COMPILE_OPTIONS
-    compiled = torch.compile(decoder, dynamic=True, options=options)
+    compiled = torch.compile(
+        _entry_point(decoder), dynamic=True, options={**options, "guard_filter_fn": _input_guards}
+    )
     logger.info("compiling the decoder with torch.compile (inductor) for every token count ...")
     start = time.monotonic()
     try:
@@ -85,5 +115,5 @@ def compile_decoder(decoder: torch.nn.Module, device: torch.device) -> Callable[
 
 def compiled_stance() -> AbstractContextManager[None]:
     """Around each compiled step: a shape outside the compiled guards runs eagerly, never
-    recompiles; only the guards that choose between the warmed-up graphs are evaluated."""
-    return torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True)
+    recompiles."""
+    return torch.compiler.set_stance("eager_on_recompile")
