@@ -180,7 +180,7 @@ typedef struct { float m[GROUP], l[GROUP]; float acc[GROUP][HEAD_DIM]; } partial
 /* Offset (elements) of token t of sequence b, head 0. */
 typedef struct { const plan_t* p; int64_t b, base; int64_t blk, off; } cursor_t;
 static inline void cursor_start(cursor_t* c, const plan_t* p, int64_t b, int64_t t) {
-    c->p = p; c->b = b;
+    *c = (cursor_t){.p = p, .b = b};
     if (p->tables) { c->blk = t / p->block_size; c->off = t % p->block_size; }
     else { c->base = p->seq_base[b] + t * p->token_stride; }
 }
@@ -316,15 +316,31 @@ static inline void score_rows(const kv_t* const* kr, const qrow_t* q, vf* sums) 
 static inline vf exp2_tile(vf x) { return exp2_v(x); }
 static inline void to_weights(vf p, weights_t* w) { *w = p; }
 
-static inline void accumulate_pv(vf acc[GROUP][NC], const tile_t* tl, int n, const weights_t* w) {
-    for (int i = 0; i < n; i++) {
-        vf vv[NC];
-        load_row(tl->v[i], vv);
-        for (int g = 0; g < GROUP; g++) {
-            const vf p = splat(w[g][i]);
-            for (int c = 0; c < NC; c++) acc[g][c] += p * vv[c];
+/* P V a chunk of 2V dimensions at a time, over the tile's tokens, so the chunk's 2 * GROUP
+   accumulators stay in registers: all GROUP * NC of them (24 with AVX2 at head dim 64) do not
+   fit in AVX2's 16, and token by token they were loaded and stored for every FMA. With the
+   weights broadcast once per tile and fmaxf inlined, one AVX2 core with K/V in cache took
+   30.0 against 33.8 ns per token and KV head, and batch 64 at 320 tokens from memory on two
+   (head-major) 0.75 against 0.98 ms per layer (2,048 tokens: 4.9 against 6.0). */
+static inline void pv_chunks(vf acc[GROUP][NC], const tile_t* tl, int n, const vf (*pw)[GROUP]) {
+    for (int c = 0; c < NP; c++) {
+        vf a[GROUP][2];
+        for (int g = 0; g < GROUP; g++) { a[g][0] = acc[g][2 * c]; a[g][1] = acc[g][2 * c + 1]; }
+        for (int i = 0; i < n; i++) {
+            vf lo, hi;
+            load2(tl->v[i] + c * 2 * V, &lo, &hi);
+            for (int g = 0; g < GROUP; g++) { a[g][0] += pw[i][g] * lo; a[g][1] += pw[i][g] * hi; }
         }
+        for (int g = 0; g < GROUP; g++) { acc[g][2 * c] = a[g][0]; acc[g][2 * c + 1] = a[g][1]; }
     }
+}
+
+static inline void accumulate_pv(vf acc[GROUP][NC], const tile_t* tl, int n, const weights_t* w) {
+    vf pw[V][GROUP];
+    for (int i = 0; i < V; i++)
+        for (int g = 0; g < GROUP; g++) pw[i][g] = splat(w[g][i]);
+    if (n == V) pv_chunks(acc, tl, V, pw);  /* a constant trip count, unrolled */
+    else pv_chunks(acc, tl, n, pw);
 }
 
 static inline void store_acc(float* dst, const vf* acc) { memcpy(dst, acc, NC * sizeof(vf)); }
@@ -414,7 +430,7 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
         const tile_t* tl = &tiles[k];
         weights_t w[GROUP];
         for (int g = 0; g < GROUP; g++) {
-            const float mx = fmaxf(m[g], hmax(tl->s[g]));
+            const float hm = hmax(tl->s[g]), mx = hm > m[g] ? hm : m[g];  /* fmaxf is a libm call */
             if (mx > m[g]) {
                 const float corr = exp2f(m[g] - mx);
                 for (int c = 0; c < NC; c++) acc[g][c] *= corr;
