@@ -430,14 +430,14 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
         const tile_t* tl = &tiles[k];
         weights_t w[GROUP];
         for (int g = 0; g < GROUP; g++) {
-            const float hm = hmax(tl->s[g]), mx = hm > m[g] ? hm : m[g];  /* fmaxf is a libm call */
+            const float mx = hmax(tl->s[g]);  /* a new maximum rescales the state (no fmaxf: a libm call) */
             if (mx > m[g]) {
                 const float corr = exp2f(m[g] - mx);
                 for (int c = 0; c < NC; c++) acc[g][c] *= corr;
                 lsum[g] *= corr;
                 m[g] = mx;
             }
-            const vf pr = exp2_tile(tl->s[g] - mx);
+            const vf pr = exp2_tile(tl->s[g] - m[g]);
             lsum[g] += pr;
             to_weights(pr, &w[g]);
         }
