@@ -108,3 +108,25 @@ def test_the_gemv_kernel_rounds_fp32_sums_once() -> None:
         torch.ops.vmkv.packed_linear(many, weight, packed, bias),
         torch.nn.functional.linear(many, weight, bias),
     )
+
+
+@pytest.mark.parametrize("packing", ["fp32", "onednn"])
+@pytest.mark.parametrize("rows", [1, 4, 5, 64])
+def test_packed_logits_are_the_linears_values_as_fp32(packing: str, rows: int) -> None:
+    """The vocabulary projection's fp32 logits equal the linear's half-precision output widened,
+    infinities and NaN included (the fp32 GEMM's output is rounded in place, not converted)."""
+    if packing == "onednn" and not cpu_linear.has_native_half_gemm(torch.bfloat16):
+        pytest.skip("this CPU has no native bf16 GEMM")
+    gen = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(576, 1000, bias=False).to(torch.bfloat16)
+    linear.weight.data = torch.randn(1000, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    x[0, 0] = float("inf")  # row 0: +-inf, or NaN where signs meet
+    with torch.inference_mode():
+        pack_linears(linear, packing)
+        expected = linear(x).float()
+        got = cpu_linear.packed_logits(linear, x)
+    assert got.dtype == torch.float32
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+    assert expected[0].isinf().any()

@@ -74,3 +74,9 @@ def _half_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 def _packed_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.vmkv.packed_linear.default(x, module.weight, module.packed_weight, module.bias)
+
+
+def packed_logits(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A packed Linear's output as fp32 (the vocabulary projection): the values `module(x)`
+    gives, rounded to its half precision, without a half-precision tensor in between."""
+    return torch.ops.vmkv.packed_logits.default(x, module.weight, module.packed_weight, module.bias)

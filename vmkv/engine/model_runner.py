@@ -19,7 +19,7 @@ from vmkv import faults
 from vmkv.engine.attention_hook import ATTENTION_NAME, step_context
 from vmkv.engine.compiled import compile_decoder, compiled_stance
 from vmkv.engine.config import EngineConfig
-from vmkv.engine.cpu_linear import linear_packing, pack_linears
+from vmkv.engine.cpu_linear import linear_packing, pack_linears, packed_logits
 from vmkv.engine.outputs import PromptLogprob
 from vmkv.engine.scheduler import ScheduledSeq
 from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
@@ -140,6 +140,8 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on the sampling rows, as float32 [S, V]; plain CPU weights through linear_in_slices."""
+        if getattr(self.lm_head, "packed_weight", None) is not None:  # one C++ call (cpu_linear.py)
+            return packed_logits(self.lm_head, hidden)
         if self.device.type != "cpu" or self.packing or not isinstance(self.lm_head, torch.nn.Linear):
             return self.lm_head(hidden).float()
         weight, bias = self.lm_head.weight, self.lm_head.bias
