@@ -4,6 +4,7 @@ what a bf16 GEMM computes."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 
@@ -130,3 +131,86 @@ def test_packed_logits_are_the_linears_values_as_fp32(packing: str, rows: int) -
     assert torch.equal(got.isnan(), expected.isnan())
     assert torch.equal(got.nan_to_num(), expected.nan_to_num())
     assert expected[0].isinf().any()
+
+
+def _tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def _close_in_bf16(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal but for a few bf16 roundings (a GEMM may sum in another order for another width)."""
+    return torch.allclose(got.float(), expected.float(), rtol=2**-6, atol=2**-6 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("tokens", [3, 10])  # the GEMV's rows, the GEMM's
+def test_linears_reading_one_input_run_as_one_call_with_the_same_outputs(
+    monkeypatch: pytest.MonkeyPatch, tokens: int
+) -> None:
+    grouped, alone = _tiny_llama(), _tiny_llama()
+    ids = torch.randint(0, 96, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    with torch.inference_mode():
+        pack_linears(grouped, "fp32")
+        monkeypatch.setattr(cpu_linear, "SHARED_INPUT_GROUPS", ())
+        pack_linears(alone, "fp32")
+        got, expected = grouped(ids).logits, alone(ids).logits
+    if tokens <= gemv_kernel.MAX_ROWS and gemv_kernel.register():
+        assert torch.equal(got, expected)  # the GEMV sums each output row alone: the same sums
+    else:
+        assert _close_in_bf16(got, expected)
+    attention, mlp = grouped.model.layers[0].self_attn, grouped.model.layers[0].mlp
+    storage = attention.q_proj.weight.untyped_storage().data_ptr()
+    assert attention.k_proj.weight.untyped_storage().data_ptr() == storage  # held once, as views
+    assert attention.v_proj.weight.untyped_storage().data_ptr() == storage
+    gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+    assert up.untyped_storage().data_ptr() == gate.untyped_storage().data_ptr()
+
+
+def test_grouped_linears_are_right_in_any_order_and_for_any_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    attention = _tiny_llama().model.layers[0].self_attn
+    alone = copy.deepcopy(attention)
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(5, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    with torch.inference_mode():
+        pack_linears(attention, "fp32")
+        monkeypatch.setattr(cpu_linear, "SHARED_INPUT_GROUPS", ())
+        pack_linears(alone, "fp32")
+        calls = [("k_proj", x), ("q_proj", x), ("v_proj", y), ("q_proj", y), ("k_proj", x), ("v_proj", x)]
+        for name, inputs in calls:
+            assert _close_in_bf16(getattr(attention, name)(inputs), getattr(alone, name)(inputs)), name
+
+
+def test_dynamo_traces_a_group_as_one_call() -> None:
+    """Under torch.compile the model's three calls of q/k/v become one operator call in the
+    graph, with eager's outputs (the graph is run as captured: no inductor)."""
+    attention = _tiny_llama().model.layers[0].self_attn
+    with torch.inference_mode():
+        pack_linears(attention, "fp32")
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: object) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    def project(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+
+    x = torch.randn(1, 7, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.inference_mode():
+        expected = project(x)
+        got = torch.compile(project, backend=capture, fullgraph=True)(x)
+    calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.vmkv.packed_linear.default]
+    assert len(graphs) == 1 and len(calls) == 1
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))

@@ -20,6 +20,9 @@ rows reads, prepared once at load (`linear_packing` says which):
   accumulation, one rounding of the output) through the fp32 kernel. The GEMV still reads the
   bf16 original: half the bytes of a pass over the weights.
 - float32 models and GPUs are left alone.
+
+The linears of a layer that read one input (q/k/v, gate/up) run as one call with one weight
+(SHARED_INPUT_GROUPS); the model's code still calls its modules one by one.
 """
 
 from __future__ import annotations
@@ -55,25 +58,101 @@ def has_native_half_gemm(dtype: torch.dtype) -> bool:
     return False
 
 
+# Linears of one layer that read the same input, by transformers' names for them: each group
+# runs as one GEMM (vLLM's QKVParallelLinear and MergedColumnParallelLinear do the same by
+# rewriting the model; here the model's code calls its three or two modules as before). On a
+# 2-core AVX2 EPYC, [64, 576] x [576, 960] took 0.74 ms against 0.97 for q, k and v apart
+# (gate/up: level). Default model, compiled, an engine with and one without the groups
+# alternated in one process, medians of 10 rounds: a paged decode step of 64 sequences at ~300
+# tokens 211.7 -> 204.7 ms; batch-1 steps within the run's noise (paged 24.4 -> 23.3 ms,
+# vattention 20.8 -> 21.6).
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 def pack_linears(model: torch.nn.Module, packing: str) -> None:
     """Give each half-precision Linear the `packed` form of its weight (`linear_packing`) next
     to the original, which the GEMV kernel reads and a tied lm_head shares with the embedding:
-    one more copy of the linear weights ("onednn"), or one of twice their size ("fp32")."""
+    one more copy of the linear weights ("onednn"), or one of twice their size ("fp32").
+    The linears of a SHARED_INPUT_GROUPS group get one packed weight and one call for all."""
     gemv_kernel.register()
+    grouped: set[torch.nn.Linear] = set()
+    for parent in model.modules():
+        for names in SHARED_INPUT_GROUPS:
+            group = [getattr(parent, name, None) for name in names]
+            if _can_share_input(group):
+                _pack_group(group, packing)
+                grouped.update(group)
     for module in _half_linears(model):
-        weight = module.weight.detach()
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-            weight.float() if packing == "fp32" else weight
-        )
-        module.forward = partial(_packed_linear, module)
+        if module not in grouped:
+            module.packed_weight = _packed(module.weight.detach(), packing)
+            module.forward = partial(_packed_linear, module)
 
 
 def _half_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.float32]
 
 
+def _packed(weight: torch.Tensor, packing: str) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.float() if packing == "fp32" else weight)
+
+
 def _packed_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.vmkv.packed_linear.default(x, module.weight, module.packed_weight, module.bias)
+
+
+def _can_share_input(group: list[object]) -> bool:
+    first = group[0]
+    return all(
+        isinstance(m, torch.nn.Linear)
+        and m.weight.dtype == first.weight.dtype != torch.float32
+        and m.in_features == first.in_features
+        and (m.bias is None) == (first.bias is None)
+        for m in group
+    )
+
+
+def _pack_group(group: list[torch.nn.Linear], packing: str) -> None:
+    """One weight for the group, rows in group order; each module's weight (and bias) becomes
+    a view of its rows, so the bf16 weights are held once."""
+    weight = torch.cat([m.weight.detach() for m in group])
+    bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
+    shared = _SharedInput(weight, _packed(weight, packing), bias, [m.out_features for m in group])
+    start = 0
+    for index, module in enumerate(group):
+        rows = slice(start, start + module.out_features)
+        module.weight.data = weight[rows]
+        if bias is not None:
+            module.bias.data = bias[rows]
+        module.forward = partial(shared.output, index)
+        start = rows.stop
+
+
+class _SharedInput:
+    """The linears of one group as one operator call: the first module called runs it for all
+    and keeps the outputs (views of one tensor), the others take theirs.
+
+    Outputs are kept for the input they were computed from, compared by identity: a call with
+    any other tensor computes again, so any order of calls is correct. (The reference held to
+    that input keeps its identity from being reused; the model must not change it in place
+    between the calls, which transformers' attention and MLP never do.) They are released when
+    the last module takes its output. Under torch.compile dynamo traces this like the model's
+    own code: the graph has one call per group."""
+
+    def __init__(
+        self, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]
+    ) -> None:
+        self.weight, self.packed, self.bias, self.sizes = weight, packed, bias, sizes
+        self._input: torch.Tensor | None = None
+        self._outputs: tuple[torch.Tensor, ...] = ()
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if self._input is not x:
+            out = torch.ops.vmkv.packed_linear.default(x, self.weight, self.packed, self.bias)
+            self._input, self._outputs = x, out.split(self.sizes, dim=-1)
+        out = self._outputs[index]
+        if index == len(self.sizes) - 1:
+            self._input, self._outputs = None, ()
+        return out
 
 
 def packed_logits(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
