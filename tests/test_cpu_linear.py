@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from vmkv.engine import cpu_linear, gemv_kernel
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.cpu_linear import linear_packing, pack_linears
+from vmkv.model.store import load_model
 
 
 @pytest.mark.parametrize("native", [False, True])
@@ -133,23 +135,6 @@ def test_packed_logits_are_the_linears_values_as_fp32(packing: str, rows: int) -
     assert expected[0].isinf().any()
 
 
-def _tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
-
-
 def _close_in_bf16(got: torch.Tensor, expected: torch.Tensor) -> bool:
     """Equal but for a few bf16 roundings (a GEMM may sum in another order for another width)."""
     return torch.allclose(got.float(), expected.float(), rtol=2**-6, atol=2**-6 * float(expected.abs().max()))
@@ -157,9 +142,9 @@ def _close_in_bf16(got: torch.Tensor, expected: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("tokens", [3, 10])  # the GEMV's rows, the GEMM's
 def test_linears_reading_one_input_run_as_one_call_with_the_same_outputs(
-    monkeypatch: pytest.MonkeyPatch, tokens: int
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, tokens: int
 ) -> None:
-    grouped, alone = _tiny_llama(), _tiny_llama()
+    grouped, alone = load_model(tiny_model_dir), load_model(tiny_model_dir)
     ids = torch.randint(0, 96, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     with torch.inference_mode():
         pack_linears(grouped, "fp32")
@@ -178,8 +163,10 @@ def test_linears_reading_one_input_run_as_one_call_with_the_same_outputs(
     assert up.untyped_storage().data_ptr() == gate.untyped_storage().data_ptr()
 
 
-def test_grouped_linears_are_right_in_any_order_and_for_any_input(monkeypatch: pytest.MonkeyPatch) -> None:
-    attention = _tiny_llama().model.layers[0].self_attn
+def test_grouped_linears_are_right_in_any_order_and_for_any_input(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path
+) -> None:
+    attention = load_model(tiny_model_dir).model.layers[0].self_attn
     alone = copy.deepcopy(attention)
     gen = torch.Generator().manual_seed(0)
     x, y = (torch.randn(5, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
@@ -192,10 +179,10 @@ def test_grouped_linears_are_right_in_any_order_and_for_any_input(monkeypatch: p
             assert _close_in_bf16(getattr(attention, name)(inputs), getattr(alone, name)(inputs)), name
 
 
-def test_dynamo_traces_a_group_as_one_call() -> None:
+def test_dynamo_traces_a_group_as_one_call(tiny_model_dir: Path) -> None:
     """Under torch.compile the model's three calls of q/k/v become one operator call in the
     graph, with eager's outputs (the graph is run as captured: no inductor)."""
-    attention = _tiny_llama().model.layers[0].self_attn
+    attention = load_model(tiny_model_dir).model.layers[0].self_attn
     with torch.inference_mode():
         pack_linears(attention, "fp32")
     graphs: list[torch.fx.GraphModule] = []

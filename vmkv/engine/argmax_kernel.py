@@ -86,9 +86,8 @@ def first_max_indices(logits: torch.Tensor) -> torch.Tensor:
     """`logits.max(dim=-1).indices` for [S, V] logits: each row's first maximum, a NaN counting
     as the maximum. fp32 CPU rows with a contiguous last dimension take the kernel."""
     rows, width = logits.shape
-    kernel = None
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1:
-        kernel = _kernel() if 0 < width < 2**31 and rows > 0 else None
+    fits = logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
+    kernel = _kernel() if fits and rows > 0 and 0 < width < 2**31 else None
     if kernel is None:
         return logits.max(dim=-1).indices
     out = torch.empty(rows, dtype=torch.long)

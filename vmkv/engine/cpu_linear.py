@@ -114,17 +114,16 @@ def _can_share_input(group: list[object]) -> bool:
 def _pack_group(group: list[torch.nn.Linear], packing: str) -> None:
     """One weight for the group, rows in group order; each module's weight (and bias) becomes
     a view of its rows, so the bf16 weights are held once."""
+    sizes = [m.out_features for m in group]
     weight = torch.cat([m.weight.detach() for m in group])
     bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
-    shared = _SharedInput(weight, _packed(weight, packing), bias, [m.out_features for m in group])
-    start = 0
-    for index, module in enumerate(group):
-        rows = slice(start, start + module.out_features)
-        module.weight.data = weight[rows]
-        if bias is not None:
-            module.bias.data = bias[rows]
+    shared = _SharedInput(weight, _packed(weight, packing), bias, sizes)
+    biases = bias.split(sizes) if bias is not None else [None] * len(group)
+    for index, (module, rows, rows_bias) in enumerate(zip(group, weight.split(sizes), biases, strict=True)):
+        module.weight.data = rows
+        if rows_bias is not None:
+            module.bias.data = rows_bias
         module.forward = partial(shared.output, index)
-        start = rows.stop
 
 
 class _SharedInput:
