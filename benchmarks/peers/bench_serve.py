@@ -7,8 +7,9 @@ For each round, every target (vLLM, vmkv serve in each KV mode, optionally vmkv 
 engine on a thread) is started in turn on a loopback port, `vllm bench serve` (random
 prompts, ignore_eos) runs against it at each request rate, and the server is stopped:
 A B C A B C, so slow drift of this machine touches every target alike. Each target's
-offline throughput on the same workload (`LLM.generate`, no HTTP) is measured in the same
-run, for the served / offline ratio. Results: JSON per run, results.json and a Markdown
+offline throughput on the same workload (`LLM.generate`, no HTTP, tokens drawn as the served
+requests' are) is measured right after its served run, and the served / offline ratio is
+taken per round. Results: JSON per run, results.json and a Markdown
 table (medians over rounds) in --out.
 
 The peer lives in its own virtual environment (--peer-venv), installed from the package
@@ -40,6 +41,7 @@ PEER_TARGETS = ("vllm",)
 # a KV mode, then "-thread" (engine on the server's thread) and/or "-compiled" (`--compile`)
 VMKV_SUFFIXES = ("", "-thread", "-compiled", "-thread-compiled")
 VMKV_TARGETS = tuple(f"{mode}{suffix}" for mode in ("vattention", "paged") for suffix in VMKV_SUFFIXES)
+OFFLINE_TARGETS = ("vattention", "paged", "vattention-compiled", "paged-compiled")
 START_TIMEOUT_SECONDS = 900  # vLLM compiles its model with inductor on first start
 METRICS = (
     "output_throughput",
@@ -69,11 +71,11 @@ def main() -> None:
         for target, dtype in targets:
             runs += serve_and_measure(args, peer_python, model, target, dtype, round_index)
             write_results(args.out, runs)
-        if args.offline:
-            for target, dtype in targets:
-                if target in ("vattention", "paged", "vattention-compiled", "paged-compiled"):
-                    runs.append(offline_run(args, model, target, dtype, round_index))
-                    write_results(args.out, runs)
+            # right after its served run, so the served / offline ratio of a round is not the
+            # machine's drift between the two (a decode step here moves 200-260 ms in minutes)
+            if args.offline and target in OFFLINE_TARGETS:
+                runs.append(offline_run(args, model, target, dtype, round_index))
+                write_results(args.out, runs)
     table = markdown(runs)
     (args.out / "report.md").write_text(table)
     print(table)
@@ -369,7 +371,9 @@ llm = LLM({model!r}, kv_mode={kv_mode!r}, dtype={dtype!r}, kv_budget_bytes={args
 rng = random.Random({round_index})
 vocab = llm.engine.info.vocab_size
 prompts = [[rng.randrange(1000, vocab) for _ in range({args.input_len})] for _ in range({args.num_prompts})]
-params = SamplingParams(temperature=0, max_tokens={args.output_len}, ignore_eos=True)
+# sampled as the served requests are: `vllm bench serve` sends no temperature, so the server's
+# default (1.0, no top-k or top-p) draws every token
+params = SamplingParams(max_tokens={args.output_len}, ignore_eos=True)
 llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))
 start = time.perf_counter()
 outs = llm.generate(prompts, params)
@@ -426,6 +430,7 @@ def markdown(runs: list[dict]) -> str:
             f"| {fmt(median(rows, 'median_tpot_ms'))} / {fmt(median(rows, 'p99_tpot_ms'))} "
             f"| {fmt(median(rows, 'median_itl_ms'))} | {fmt(median(rows, 'completed'), 0)} | {len(rows)} |"
         )
+    lines += served_over_offline(runs)
     lines += [
         "",
         f"Where the {os.cpu_count()} cores went during served runs (CPU seconds, medians): the engine "
@@ -446,6 +451,27 @@ def markdown(runs: list[dict]) -> str:
         cells = [target, rate] + [fmt(value) for value in (wall, engine, front, client, idle)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def served_over_offline(runs: list[dict]) -> list[str]:
+    """Lines of a table: each vmkv target's served output tok/s at rate inf over its offline
+    run's of the same round (the two ran back to back), per round and their median."""
+    offline = {(r["target"], r["dtype"], r["round"]): r for r in runs if r["mode"] == "offline"}
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for run in runs:
+        pair = offline.get((run["target"], run["dtype"], run["round"]))
+        if run["mode"] == "served" and run["rate"] == "inf" and pair and run.get("output_throughput"):
+            ratios.setdefault((run["target"], run["dtype"]), []).append(
+                run["output_throughput"] / pair["output_throughput"]
+            )
+    if not ratios:
+        return []
+    lines = ["", "Served / offline output tok/s at rate inf, each round's pair run back to back:", ""]
+    lines += ["| target | dtype | per round | median |", "|---|---|---|---|"]
+    for (target, dtype), values in sorted(ratios.items()):
+        rounds = " ".join(f"{v:.2f}" for v in values)
+        lines.append(f"| {target} | {dtype} | {rounds} | {statistics.median(values):.2f} |")
+    return lines
 
 
 if __name__ == "__main__":
