@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import compilation_time_metrics, counters
 
 from vmkv.engine import LLM, SamplingParams
+from vmkv.engine.compiled import WARMUP_TOKEN_COUNTS
 from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
 from vmkv.model.store import load_tokenizer
 from vmkv.model.tiny import build_tiny_model
@@ -64,6 +65,22 @@ def test_compiled_is_token_identical_to_eager_and_compiles_only_at_start(
     assert counters["stats"]["unique_graphs"] == graphs  # decode and chunked prefill reuse the start's graphs
     report = compare(reference_greedy(tiny_model_dir, prompts[:2], MAX_TOKENS, torch.float32), got[:2])
     assert report.identical == 2
+
+
+def test_each_graph_is_traced_once_at_start(tiny_model_dir: Path) -> None:
+    """dynamo once traced every graph twice: its first attempt made the model's Python floats
+    (RMSNorm's epsilon, a power of 2) symbolic, failed to turn them into tensors and started over
+    with them constant, a third of a start's compile time on the default model."""
+
+    def attempts(n: int) -> int:
+        return len(compilation_time_metrics.get(f"compile_attempt_{n}", []))
+
+    first, second = attempts(0), attempts(1)
+    llm = make_llm(tiny_model_dir, "paged", compile_model=True)
+    llm.close()
+    assert llm.engine.runner.compiled
+    assert attempts(0) - first == len(WARMUP_TOKEN_COUNTS)  # one attempt per graph ...
+    assert attempts(1) == second  # ... and no second
 
 
 def test_engines_of_different_models_in_one_process_each_run_their_own_graphs(

@@ -102,7 +102,14 @@ def compile_decoder(decoder: torch.nn.Module, device: torch.device) -> Callable[
     logger.info("compiling the decoder with torch.compile (inductor) for every token count ...")
     start = time.monotonic()
     try:
-        with torch.inference_mode(), step_context(_WarmupAttention(), None):  # type: ignore[arg-type]
+        # Python floats of the model (RMSNorm's epsilon, a power of 2) as constants: made
+        # symbolic, dynamo failed to turn them into tensors and traced each graph again. On a
+        # 2-core AVX2 EPYC, with inductor's cache warm, the compile took 22 s instead of 75-88.
+        with (
+            torch._dynamo.config.patch(specialize_float=True),
+            torch.inference_mode(),
+            step_context(_WarmupAttention(), None),  # type: ignore[arg-type]
+        ):
             for num_tokens in WARMUP_TOKEN_COUNTS:
                 positions = torch.arange(num_tokens, device=device)[None]
                 compiled(input_ids=torch.zeros_like(positions), position_ids=positions, use_cache=False)
