@@ -70,7 +70,7 @@ def test_compiled_is_token_identical_to_eager_and_compiles_only_at_start(
 def test_each_graph_is_traced_once_at_start(tiny_model_dir: Path) -> None:
     """dynamo once traced every graph twice: its first attempt made the model's Python floats
     (RMSNorm's epsilon, a power of 2) symbolic, failed to turn them into tensors and started over
-    with them constant, a third of a start's compile time on the default model."""
+    with them constant: more than half of a start's compile time on the default model."""
 
     def attempts(n: int) -> int:
         return len(compilation_time_metrics.get(f"compile_attempt_{n}", []))
