@@ -19,6 +19,11 @@ number of layers. Columns:
 - paged kernel, blocks in runs: the kernel on the pool's own placement (each sequence's
   blocks consecutive, as the pool keeps them while it has free runs).
 
+Read floor (second table): each kernel column again, on its own cache of the same layout, with
+the kernel built with -DREAD_ONLY: the same work items, cursors and prefetches, every K and V
+row loaded, no arithmetic. What a layout's access pattern costs on this machine (pages, DRAM
+rows, prefetch) is then told apart from the compute the kernel does not hide behind it.
+
 Prefill: one new 1,000-token prompt, and the second 500-token chunk of one, per layout.
 Prepare: host time of prepare() for a batch-64 decode step at two contexts (it should not
 grow with the context).
@@ -31,13 +36,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 from vmkv.drivers import DEFAULT_PAGE_SIZE, huge_page_size, shmem_huge_pages
 from vmkv.paging import PagedKVCache
 
+from vmkv.decode_kernel import load_decode_kernel
 from vmkv.engine.cpu_linear import has_native_half_gemm
 from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
 from vmkv.vattention import VAttentionKVCache
@@ -116,6 +124,28 @@ def attend_runner(cache: KVCache, batch: StepBatch, layers: int = 1) -> Callable
     return run
 
 
+@contextmanager
+def read_only_kernels() -> Iterator[None]:
+    """Caches that load their decode kernel inside this get its -DREAD_ONLY build."""
+
+    def load(dtype: torch.dtype, group: int, head_dim: int, extra_flags: tuple[str, ...] = ()):
+        return load_decode_kernel(dtype, group, head_dim, (*extra_flags, "-DREAD_ONLY"))
+
+    with (
+        mock.patch("vmkv.dense.plan.load_decode_kernel", load),
+        mock.patch("vmkv.paging.attention.load_decode_kernel", load),
+    ):
+        yield
+
+
+def floor_runner(cache: KVCache, batch: StepBatch, layers: int) -> Callable[[], None]:
+    """attend_runner with the read-only kernel: loaded by its first call, kept by the cache."""
+    with read_only_kernels():
+        run = attend_runner(cache, batch, layers)
+        run()
+    return run
+
+
 def copy_runner() -> Callable[[], None]:
     src = torch.ones(COPY_BYTES, dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -149,29 +179,35 @@ PAGED_KERNELS = ["paged kernel", "paged kernel, blocks in runs"]
 
 def decode_table(batch: int, contexts: list[int], rounds: int, with_torch: bool, page_size: int) -> None:
     kinds = DECODE + (["paged torch"] if with_torch else [])
+    kernels = (*VATTENTION_KERNELS, *PAGED_KERNELS)
     header = ["context", "layers read", "K/V MB per layer", "copy GB/s", "roofline ms"]
     header += [f"{k} ms" for k in kinds]
     header += [
         "kernel / roofline (head, token, packed, paged, paged in runs)",
         "best vattention kernel vs paged kernel",
     ]
-    rows = []
+    floor_header = ["context", "roofline ms", *(f"{k} floor ms" for k in kernels)]
+    floor_header += ["floor / roofline", "kernel / floor"]
+    rows, floor_rows = [], []
     for context in contexts:
         lens = [context] * batch
         layer_bytes = batch * context * shape().bytes_per_token
         layers = min(MODEL_LAYERS, -(-DECODE_READ_BYTES // layer_bytes))
         caches = {k: make_cache(k, context, batch * context, layers, page_size) for k in kinds}
+        floors = {k: make_cache(k, context, batch * context, layers, page_size) for k in kernels}
         try:
             runners = {"copy": copy_runner()}
             runners |= {k: attend_runner(c, admit_all(c, lens, 1), layers) for k, c in caches.items()}
+            for k, c in floors.items():
+                runners[f"{k} floor"] = floor_runner(c, admit_all(c, lens, 1), layers)
             t = interleaved_medians(runners, rounds)
         finally:
-            for c in caches.values():
+            for c in (*caches.values(), *floors.values()):
                 c.close()
         per_layer = {k: v / layers for k, v in t.items()}
         bandwidth = 2 * COPY_BYTES / t["copy"]
         roof = layer_bytes / bandwidth
-        ratios = ", ".join(f"{per_layer[k] / roof:.2f}x" for k in (*VATTENTION_KERNELS, *PAGED_KERNELS))
+        ratios = ", ".join(f"{per_layer[k] / roof:.2f}x" for k in kernels)
         speedup = per_layer["paged kernel"] / min(per_layer[k] for k in VATTENTION_KERNELS)
         sizes = [str(context), str(layers), f"{layer_bytes / 1e6:.1f}", f"{bandwidth / 1e9:.1f}"]
         rows.append(
@@ -179,7 +215,17 @@ def decode_table(batch: int, contexts: list[int], rounds: int, with_torch: bool,
             + [f"{per_layer[k] * 1e3:.3f}" for k in kinds]
             + [ratios, f"{speedup:.2f}x"]
         )
-    print_table(f"Decode attention per layer, batch {batch}, {torch.get_num_threads()} threads", header, rows)
+        floor = {k: per_layer[f"{k} floor"] for k in kernels}
+        floor_rows.append(
+            [str(context), f"{roof * 1e3:.3f}"]
+            + [f"{floor[k] * 1e3:.3f}" for k in kernels]
+            + [", ".join(f"{floor[k] / roof:.2f}x" for k in kernels)]
+            + [", ".join(f"{per_layer[k] / floor[k]:.2f}x" for k in kernels)]
+        )
+    threads = torch.get_num_threads()
+    print_table(f"Decode attention per layer, batch {batch}, {threads} threads", header, rows)
+    title = f"Read floor per layer (the kernel's walk without its arithmetic), batch {batch}"
+    print_table(title, floor_header, floor_rows)
 
 
 def prefill_table(prompt: int, rounds: int) -> None:

@@ -207,3 +207,48 @@ def test_kernel_appends_the_new_token_before_attending(flags: tuple) -> None:
             n = lens[i]
             ref = reference_attention(q[row : row + 1], [k[i, :n]], [v[i, :n]], [SeqStep(0, n - 1, 1)], 0.2)
             assert (out[row].float() - ref[0]).abs().max().item() < TOLERANCE[torch.bfloat16], (name, i)
+
+
+def _flip(kc: torch.Tensor, table: torch.Tensor | None, i: int, t: int) -> None:
+    """Bit 0 of sequence i's K at token t, head 1, dimension 0 (fp32), in _layouts' storage."""
+    row = kc[1 + i, t] if table is None else kc[table[i, t // BLOCK], t % BLOCK]
+    row[1, 0:1].view(torch.int32).bitwise_xor_(1)
+
+
+@pytest.mark.parametrize("flags", VARIANTS)
+def test_read_only_build_reads_exactly_each_context(flags: tuple) -> None:
+    """The -DREAD_ONLY build (bench_kernels.py's read floor) walks the rows the kernel walks:
+    a bit flipped in a sequence's context row changes that sequence's output and no other;
+    one flipped just past the context changes nothing. Every layout; contexts split over two
+    threads too."""
+    kernel = _kernel(torch.float32, 1, 16, (*flags, "-DREAD_ONLY"))
+    gen = torch.Generator().manual_seed(5)
+    lens = [5, 40, 613]
+    b, length = len(lens), max(lens)
+    rows, lens_t = torch.tensor([1, 2, 0]), torch.tensor(lens)
+    q = torch.zeros(b, 2, 16)
+    k = torch.randn(b, length, 2, 16, generator=gen)
+    v = torch.randn(b, length, 2, 16, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for name, (kc, vc, table) in _layouts(k, v, gen).items():
+            if table is None:
+                plan = dense_plan(rows, lens_t, torch.arange(1, b + 1), kc)
+            else:
+                plan = paged_plan(rows, lens_t, table, kc)
+            outs = []
+            for i, t in ((None, None), (0, 4), (1, 17), (2, 600), (0, 5), (1, 40), (2, 613)):
+                if i is not None:
+                    _flip(kc, table, i, t)
+                outs.append(torch.zeros_like(q))
+                kernel(plan, q, kc, vc, outs[-1], 1.0)
+                if i is not None:
+                    _flip(kc, table, i, t)
+            before, inside, past = outs[0], outs[1:4], outs[4:]
+            for i, out in enumerate(inside):  # only sequence i's output moves
+                moved = [r for r in range(b) if not torch.equal(out[r], before[r])]
+                assert moved == [rows[i].item()], (name, i, moved)
+            assert all(torch.equal(out, before) for out in past), name
+    finally:
+        torch.set_num_threads(threads)

@@ -399,6 +399,40 @@ static inline void score_tile(tile_t* tl, cursor_t* cur, ahead_t* ahead, const k
     for (int g = 0; g < GROUP; g++) tl->s[g] = select_v(valid, tl->s[g] * scale2, splat(-1e30f));
 }
 
+#ifdef READ_ONLY
+/* Built with -DREAD_ONLY (benchmarks only): the same work items, cursors and prefetches, with
+   the arithmetic left out; every K and V row is loaded and summed as integers. Its time is the
+   floor a layout's access pattern puts under the kernel on this machine, so a kernel's excess
+   over the roofline splits into the pattern's cost and the compute it does not hide. */
+static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const kv_t* vc, int64_t b, int64_t h,
+                         int64_t t0, int64_t t1, float scale2, partial_t* st) {
+    (void)q; (void)scale2;
+    kc += h * p->head_stride;
+    vc += h * p->head_stride;
+    vu sum = {};
+    cursor_t cur;
+    ahead_t ahead = {.next = t0, .end = t1};
+    cursor_start(&cur, p, b, t0);
+    cursor_start(&ahead.cursor, p, b, t0);
+    while (ahead.next < t1 && ahead.next < t0 + PREFETCH_TILES * V) prefetch_row(&ahead, kc, vc);
+    for (int64_t t = t0; t < t1; t++) {
+        prefetch_row(&ahead, kc, vc);
+        const int64_t r = cursor_next(&cur);
+        for (size_t c = 0; c < HEAD_DIM * sizeof(kv_t); c += sizeof(vu)) {
+            vu k, v;
+            memcpy(&k, (const char*)(kc + r) + c, sizeof k);
+            memcpy(&v, (const char*)(vc + r) + c, sizeof v);
+            sum += k ^ v;
+        }
+    }
+    const vf total = __builtin_convertvector(sum & 0xffffu, vf);
+    for (int g = 0; g < GROUP; g++) {
+        st->m[g] = 0.f;
+        st->l[g] = 1.f;
+        for (int d = 0; d < HEAD_DIM; d++) st->acc[g][d] = total[d % V];
+    }
+}
+#else
 /* Tokens [t0, t1) of sequence b for KV head h: unnormalised softmax state into *st.
    Software pipelined: the next tile's scores are computed between this tile's softmax and its
    P V, so the softmax's dependency chain (reduction, max, exp) overlaps independent work; a
@@ -450,6 +484,8 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
         store_acc(st->acc[g], acc[g]);
     }
 }
+
+#endif
 
 /* Attention of every sequence's query row over its context, for one layer.
    q/out: [T, num_kv_heads * GROUP, HEAD_DIM] contiguous; kc/vc: the layer's K/V base;
