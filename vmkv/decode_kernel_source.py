@@ -117,16 +117,17 @@ typedef int32_t vi8 __attribute__((vector_size(32)));
 #endif
 
 /* Lane i of the result = sum of all 8 lanes of a[i] (a transposing tree, 3 levels); the
-   8-lane case of reduce_rows, and the AVX512-BF16 path's 256-bit scores. */
+   8-lane case of reduce_rows, and the AVX512-BF16 path's 256-bit scores. The first two levels
+   shuffle within 128-bit halves (vshufps); only the last crosses them. */
 static inline vf8 reduce8(const vf8* a) {
     vf8 b[4], c[2];
-    for (int j = 0; j < 4; j++)
-        b[j] = SH8(a[2*j], a[2*j+1], 0, 1, 2, 3, 8, 9, 10, 11)
-             + SH8(a[2*j], a[2*j+1], 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int j = 0; j < 2; j++)
-        c[j] = SH8(b[2*j], b[2*j+1], 0, 1, 4, 5, 8, 9, 12, 13)
-             + SH8(b[2*j], b[2*j+1], 2, 3, 6, 7, 10, 11, 14, 15);
-    return SH8(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) + SH8(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int j = 0; j < 4; j++)  /* b[j] = pair sums of a[2j], a[2j+1], per half */
+        b[j] = SH8(a[2*j], a[2*j+1], 0, 1, 8, 9, 4, 5, 12, 13)
+             + SH8(a[2*j], a[2*j+1], 2, 3, 10, 11, 6, 7, 14, 15);
+    for (int j = 0; j < 2; j++)  /* c[j] = half sums of a[4j..4j+3]: low halves, then high */
+        c[j] = SH8(b[2*j], b[2*j+1], 0, 2, 8, 10, 4, 6, 12, 14)
+             + SH8(b[2*j], b[2*j+1], 1, 3, 9, 11, 5, 7, 13, 15);
+    return SH8(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11) + SH8(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 /* Lane i of the result = sum of all lanes of a[i]: a transposing tree, log2(V) levels. */
