@@ -36,7 +36,7 @@ from vmkv.bench.kernels import (
     reference_attention,
 )
 from vmkv.bench.metrics import SLO, Distribution, RequestRecord, compute_metrics
-from vmkv.bench.offline import Round, RunOutcome, Target, run_interleaved
+from vmkv.bench.offline import KVSample, Round, RunOutcome, Target, memory_peaks, run_interleaved
 from vmkv.bench.online import parse_peer_urls, parse_prometheus, run_online
 from vmkv.bench.peers import transformers_target
 from vmkv.bench.workloads import (
@@ -199,6 +199,17 @@ def test_request_latencies_from_a_hand_made_timeline() -> None:
     assert two.tpot == pytest.approx(0.4 / 2)
     single = RequestRecord(5, 1, 0.0, [0.3], 0.3)
     assert single.tpot is None and single.ok
+
+
+def test_waste_is_taken_when_the_cache_held_the_most_tokens() -> None:
+    # vattention keeps finished sequences' pages mapped: its allocation peaks at the end, unused
+    timeline = [
+        KVSample(0.1, running_seqs=4, allocated_bytes=100, used_bytes=60, units_in_use=10),
+        KVSample(0.2, running_seqs=4, allocated_bytes=120, used_bytes=90, units_in_use=12),
+        KVSample(0.3, running_seqs=0, allocated_bytes=130, used_bytes=0, units_in_use=13),
+    ]
+    assert memory_peaks(timeline) == (130, 90, 30)
+    assert memory_peaks([]) == (0, 0, 0)
 
 
 def test_run_metrics_throughput_percentiles_and_goodput() -> None:

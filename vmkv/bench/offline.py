@@ -49,7 +49,7 @@ class EngineSummary:
     reserved_bytes: int
     peak_allocated_bytes: int
     peak_used_bytes: int
-    waste_at_peak_bytes: int  # allocated minus used when allocation peaked
+    waste_at_peak_use_bytes: int  # allocated minus used when the cache held the most tokens
     kv: KVStats  # deltas: meaningful for the event counts, not for gauges
     timeline: list[KVSample] = field(default_factory=list)
 
@@ -178,7 +178,7 @@ def _summarize(
     kv = after.kv_stats.since(before.kv_stats)
     queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
     map_critical = kv.map_seconds_critical
-    peak = max(timeline, key=lambda s: s.allocated_bytes, default=KVSample(0.0, 0, 0, 0, math.nan))
+    peak_allocated, peak_used, waste = memory_peaks(timeline)
     return EngineSummary(
         steps=len(timeline),
         step_seconds=step_seconds,
@@ -188,12 +188,26 @@ def _summarize(
         mapping_share=map_critical / step_seconds if map_critical is not None and step_seconds else None,
         prefix_cache_hit_rate=hits / queries if queries else None,
         reserved_bytes=after.memory.reserved_bytes,
-        peak_allocated_bytes=peak.allocated_bytes,
-        peak_used_bytes=max((s.used_bytes for s in timeline), default=0),
-        waste_at_peak_bytes=peak.allocated_bytes - peak.used_bytes,
+        peak_allocated_bytes=peak_allocated,
+        peak_used_bytes=peak_used,
+        waste_at_peak_use_bytes=waste,
         kv=kv,
         timeline=downsample(timeline, MAX_TIMELINE_POINTS),
     )
+
+
+def memory_peaks(timeline: Sequence[KVSample]) -> tuple[int, int, int]:
+    """Peak allocated bytes, peak used bytes, and the waste (allocated - used) when use peaked.
+
+    Waste is taken when the cache held the most tokens, not when allocation peaked: vattention
+    keeps finished sequences' pages mapped for reuse, so its allocation peaks as the last
+    sequences finish, with nothing used, and waste there would read as the whole allocation.
+    """
+    if not timeline:
+        return 0, 0, 0
+    fullest = max(timeline, key=lambda s: s.used_bytes)
+    peak_allocated = max(s.allocated_bytes for s in timeline)
+    return peak_allocated, fullest.used_bytes, fullest.allocated_bytes - fullest.used_bytes
 
 
 def downsample(samples: Sequence[KVSample], limit: int) -> list[KVSample]:
