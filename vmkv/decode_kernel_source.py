@@ -14,7 +14,8 @@ Per tile of V tokens (V = vector lanes: 16 with AVX-512, else 8): scores (a vect
 dot products per token and query row, then one transposing reduction tree per row), an online
 softmax in base 2 (scale * log2(e) folded into the scores, fp32), and P V into all G rows. The
 next tile's scores are computed while this tile's softmax chain resolves, and each row scored
-prefetches the row two tiles ahead, so memory and compute overlap. Two sets of primitives:
+prefetches the K row two tiles ahead and the V row one or two tiles ahead, so memory and
+compute overlap. Two sets of primitives:
 - generic (any KV type, AVX2 or AVX-512): K and V widened to fp32, FMA, P in fp32;
 - bf16 K/V on AVX512-BF16: both products on vdpbf16ps (256-bit for the scores, so the tree
   is half as wide; P rounded to bf16 and token pairs of V interleaved for P V).
@@ -363,25 +364,42 @@ static void write_out(kv_t* o, const partial_t* st) {
 /* Tokens in the tile starting at t of a range ending at t1. */
 static inline int tile_len(int64_t t, int64_t t1) { return t1 - t < V ? (int)(t1 - t) : V; }
 
-/* Rows are prefetched into L1 PREFETCH_TILES tiles ahead of scoring by a second cursor, one
-   row (its K and V lines) for every row scored, so the misses in flight stay level while the
-   tile computes. Issued in a burst of a tile's rows into L2 instead, at batch 64 on a Zen 5
-   EPYC (43 GB/s copy bandwidth) the kernel ran at the sum of its compute and memory times,
-   not the larger: 0.53-0.66 against 0.51-0.54 ms per layer at 320 tokens token-major,
-   0.59-0.65 against 0.53-0.54 layer-packed, 0.65-0.66 against 0.61 paged, 4.9 against 4.5 ms
-   at 2,048 layer-packed (bench_kernels.py). Head-major runs are prefetched too: there the
-   hardware prefetcher alone gave 0.80 against 0.52 ms at 320 tokens, 4.1 against 2.7 ms at
-   2,048 (on an earlier EPYC with AVX512-BF16 and 24-32 GB/s it streamed them at the roofline,
-   and the burst prefetches cost it 1.3x; the level ones were not measured there). */
-#define PREFETCH_TILES 2
-typedef struct { cursor_t cursor; int64_t next, end; } ahead_t;
+/* Rows are prefetched into L1 by a second cursor, one row for every row scored, so the misses
+   in flight stay level while the tile computes: a row's K lines PREFETCH_ROWS rows ahead of its
+   scoring, and its V lines `lag` rows later (a ring keeps their offsets), since P V reads a
+   tile's V one tile after scoring it. The lag is V rows where rows are scattered (layer-packed,
+   token-major, paged) and 0 where a head's rows are one run (head-major). On a 2-core AVX2 Zen
+   3 at batch 64, K/V from memory, against V prefetched with K (so three tiles before its use;
+   both builds in one process on the same tensors, 21 interleaved rounds, two runs): layer-packed
+   took 0.79-0.89x the time at 320 and 2,048 tokens, token-major 0.86-1.00x, paged 0.76-0.94x
+   scattered and 0.84-0.96x with blocks in runs, head-major 1.00-1.02x (a lag there too took
+   it 1.02-1.15x).
+   Issued in a burst of a tile's rows into L2 instead, at batch 64 on a Zen 5 EPYC (43 GB/s copy
+   bandwidth) the kernel ran at the sum of its compute and memory times, not the larger:
+   0.53-0.66 against 0.51-0.54 ms per layer at 320 tokens token-major, 0.59-0.65 against
+   0.53-0.54 layer-packed, 0.65-0.66 against 0.61 paged, 4.9 against 4.5 ms at 2,048
+   layer-packed (bench_kernels.py). Head-major runs are prefetched too: there the hardware
+   prefetcher alone gave 0.80 against 0.52 ms at 320 tokens, 4.1 against 2.7 ms at 2,048. */
+#define PREFETCH_ROWS (2 * V)
+typedef struct { cursor_t cursor; int64_t issued, count, lag; int64_t ring[2 * V]; } ahead_t;
+static inline void ahead_start(ahead_t* a, const plan_t* p, int64_t b, int64_t t0, int64_t t1) {
+    a->issued = 0;
+    a->count = t1 - t0;
+    a->lag = !p->tables && p->token_stride == HEAD_DIM ? 0 : V;
+    cursor_start(&a->cursor, p, b, t0);
+}
 static inline void prefetch_row(ahead_t* a, const kv_t* kc, const kv_t* vc) {
-    if (a->next == a->end) return;
-    a->next++;
-    const int64_t r = cursor_next(&a->cursor);
-    for (int c = 0; c < (int)(HEAD_DIM * sizeof(kv_t)); c += 64) {
-        __builtin_prefetch((const char*)(kc + r) + c, 0, 3);
-        __builtin_prefetch((const char*)(vc + r) + c, 0, 3);
+    const int64_t i = a->issued++;
+    if (i < a->count) {
+        const int64_t r = cursor_next(&a->cursor);
+        a->ring[i & (2 * V - 1)] = r;
+        for (int c = 0; c < (int)(HEAD_DIM * sizeof(kv_t)); c += 64)
+            __builtin_prefetch((const char*)(kc + r) + c, 0, 3);
+    }
+    if (i >= a->lag && i - a->lag < a->count) {  /* the V row of lag rows back */
+        const int64_t r = a->ring[(i - a->lag) & (2 * V - 1)];
+        for (int c = 0; c < (int)(HEAD_DIM * sizeof(kv_t)); c += 64)
+            __builtin_prefetch((const char*)(vc + r) + c, 0, 3);
     }
 }
 
@@ -412,10 +430,10 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
     vc += h * p->head_stride;
     vu sum = {};
     cursor_t cur;
-    ahead_t ahead = {.next = t0, .end = t1};
+    ahead_t ahead;
     cursor_start(&cur, p, b, t0);
-    cursor_start(&ahead.cursor, p, b, t0);
-    while (ahead.next < t1 && ahead.next < t0 + PREFETCH_TILES * V) prefetch_row(&ahead, kc, vc);
+    ahead_start(&ahead, p, b, t0, t1);
+    while (ahead.issued < PREFETCH_ROWS && ahead.issued < t1 - t0) prefetch_row(&ahead, kc, vc);
     for (int64_t t = t0; t < t1; t++) {
         prefetch_row(&ahead, kc, vc);
         const int64_t r = cursor_next(&cur);
@@ -454,10 +472,10 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
         m[g] = -1e30f;
     }
     cursor_t cur;
-    ahead_t ahead = {.next = t0, .end = t1};
+    ahead_t ahead;
     cursor_start(&cur, p, b, t0);
-    cursor_start(&ahead.cursor, p, b, t0);
-    while (ahead.next < t1 && ahead.next < t0 + PREFETCH_TILES * V) prefetch_row(&ahead, kc, vc);
+    ahead_start(&ahead, p, b, t0, t1);
+    while (ahead.issued < PREFETCH_ROWS && ahead.issued < t1 - t0) prefetch_row(&ahead, kc, vc);
     tile_t tiles[2];
     score_tile(&tiles[0], &cur, &ahead, kc, vc, tile_len(t0, t1), qr, scale2);
     for (int64_t t = t0, k = 0; t < t1; t += V, k ^= 1) {
