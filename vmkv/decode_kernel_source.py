@@ -382,25 +382,27 @@ static inline int tile_len(int64_t t, int64_t t1) { return t1 - t < V ? (int)(t1
    prefetcher alone gave 0.80 against 0.52 ms at 320 tokens, 4.1 against 2.7 ms at 2,048. */
 #define PREFETCH_ROWS (2 * V)
 typedef struct { cursor_t cursor; int64_t issued, count, lag; int64_t ring[2 * V]; } ahead_t;
-static inline void ahead_start(ahead_t* a, const plan_t* p, int64_t b, int64_t t0, int64_t t1) {
-    a->issued = 0;
-    a->count = t1 - t0;
-    a->lag = !p->tables && p->token_stride == HEAD_DIM ? 0 : V;
-    cursor_start(&a->cursor, p, b, t0);
+static inline void prefetch_lines(const kv_t* row) {
+    for (int c = 0; c < (int)(HEAD_DIM * sizeof(kv_t)); c += 64)
+        __builtin_prefetch((const char*)row + c, 0, 3);
 }
 static inline void prefetch_row(ahead_t* a, const kv_t* kc, const kv_t* vc) {
     const int64_t i = a->issued++;
     if (i < a->count) {
         const int64_t r = cursor_next(&a->cursor);
         a->ring[i & (2 * V - 1)] = r;
-        for (int c = 0; c < (int)(HEAD_DIM * sizeof(kv_t)); c += 64)
-            __builtin_prefetch((const char*)(kc + r) + c, 0, 3);
+        prefetch_lines(kc + r);
     }
-    if (i >= a->lag && i - a->lag < a->count) {  /* the V row of lag rows back */
-        const int64_t r = a->ring[(i - a->lag) & (2 * V - 1)];
-        for (int c = 0; c < (int)(HEAD_DIM * sizeof(kv_t)); c += 64)
-            __builtin_prefetch((const char*)(vc + r) + c, 0, 3);
-    }
+    if (i >= a->lag && i - a->lag < a->count) prefetch_lines(vc + a->ring[(i - a->lag) & (2 * V - 1)]);
+}
+/* Start the prefetch cursor at token t0 of [t0, t1) and issue its first PREFETCH_ROWS rows. */
+static inline void ahead_start(ahead_t* a, const plan_t* p, int64_t b, int64_t t0, int64_t t1,
+                               const kv_t* kc, const kv_t* vc) {
+    a->issued = 0;
+    a->count = t1 - t0;
+    a->lag = !p->tables && p->token_stride == HEAD_DIM ? 0 : V;
+    cursor_start(&a->cursor, p, b, t0);
+    while (a->issued < PREFETCH_ROWS && a->issued < a->count) prefetch_row(a, kc, vc);
 }
 
 /* The tile of n tokens at the cursor: its V rows and scores; one row prefetched per row. */
@@ -432,8 +434,7 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
     cursor_t cur;
     ahead_t ahead;
     cursor_start(&cur, p, b, t0);
-    ahead_start(&ahead, p, b, t0, t1);
-    while (ahead.issued < PREFETCH_ROWS && ahead.issued < t1 - t0) prefetch_row(&ahead, kc, vc);
+    ahead_start(&ahead, p, b, t0, t1, kc, vc);
     for (int64_t t = t0; t < t1; t++) {
         prefetch_row(&ahead, kc, vc);
         const int64_t r = cursor_next(&cur);
@@ -474,8 +475,7 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
     cursor_t cur;
     ahead_t ahead;
     cursor_start(&cur, p, b, t0);
-    ahead_start(&ahead, p, b, t0, t1);
-    while (ahead.issued < PREFETCH_ROWS && ahead.issued < t1 - t0) prefetch_row(&ahead, kc, vc);
+    ahead_start(&ahead, p, b, t0, t1, kc, vc);
     tile_t tiles[2];
     score_tile(&tiles[0], &cur, &ahead, kc, vc, tile_len(t0, t1), qr, scale2);
     for (int64_t t = t0, k = 0; t < t1; t += V, k ^= 1) {
