@@ -30,6 +30,7 @@ from vmkv.distributed.sharding import Shard, kv_storage_bytes, rank_config, rank
 from vmkv.distributed.watchdog import start_heartbeat
 from vmkv.engine.attention_hook import step_context
 from vmkv.engine.config import EngineConfig
+from vmkv.engine.gc_heap import freeze_start_up_heap
 from vmkv.engine.kv_factory import build_kv_cache
 from vmkv.engine.model_runner import ModelRunner
 from vmkv.vattention import VAttentionKVCache
@@ -87,6 +88,7 @@ def main() -> None:
         store.set(channel.ready_key(rank), f"{type(error).__name__}: {error}")
         raise
     store.set(channel.kv_bytes_key(rank), str(kv_storage_bytes(follower.replica.cache)))
+    freeze_start_up_heap()
     store.set(channel.ready_key(rank), "ok")
     try:
         while (message := channel.receive(group)) is not None:

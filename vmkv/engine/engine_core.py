@@ -22,6 +22,7 @@ import zmq
 from vmkv.distributed.errors import TensorParallelError
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.errors import RequestRejected
+from vmkv.engine.gc_heap import freeze_start_up_heap
 from vmkv.engine.ipc import (
     Abort,
     AddRequest,
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         write_start_report(ready, StartFailed(f"{type(error).__name__}: {error}"))
         raise
     core = EngineCore(engine, args.commands, args.outputs)
+    freeze_start_up_heap()
     try:
         write_start_report(ready, Ready(engine.info, engine.stats()))
         core.run()

@@ -11,6 +11,7 @@ import uvicorn
 from vmkv.engine import AsyncLLM, AsyncProcessLLM, DataParallelLLM, EngineStartError
 from vmkv.engine.args import add_engine_arguments, engine_config, positive_int
 from vmkv.engine.data_parallel import ROUTINGS
+from vmkv.engine.gc_heap import freeze_start_up_heap
 from vmkv.server.app import build_app
 from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
 from vmkv.server.engine_client import EngineClient
@@ -147,6 +148,7 @@ def serve_main(args: argparse.Namespace) -> None:
         owns_engine=True,
     )
     drain = Drain(app)
+    freeze_start_up_heap()
     config = uvicorn.Config(
         drain, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
