@@ -187,7 +187,9 @@ def unix_sockets() -> set[str]:
 
 
 @contextlib.contextmanager
-def vmkv_serve(model_dir: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+def vmkv_serve(
+    model_dir: Path, *flags: str, stderr: int | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
     """`vmkv serve` as a user starts it, on a free loopback port, until it is healthy."""
     port = free_port()
     command = [sys.executable, "-m", "vmkv.cli", "serve", "--model", str(model_dir), "--port", str(port)]
@@ -196,7 +198,7 @@ def vmkv_serve(model_dir: Path, *flags: str) -> Iterator[tuple[subprocess.Popen,
     command += ["--dtype", "float32", "--kv-budget-mib", "8", "--num-threads", "1", "--log-level", "warning"]
     command += ["--no-compile"]  # what these tests check does not depend on it; compiling takes a minute
     command += flags
-    process = subprocess.Popen(command)
+    process = subprocess.Popen(command, stderr=stderr, text=stderr is not None)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -240,6 +242,14 @@ def test_a_stopped_server_leaves_no_process_socket_or_shared_memory(
     wait_until(lambda: not alive(engine_pid), 15, "the engine process outlived the server")
     assert not sockets & unix_sockets()
     assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_both_processes_freeze_their_start_up_heap_before_serving(tiny_model_dir: Path) -> None:
+    with vmkv_serve(tiny_model_dir, "--max-model-len", "128", stderr=subprocess.PIPE) as (process, _):
+        process.send_signal(signal.SIGTERM)
+        _, log = process.communicate(timeout=30)
+    froze = [line for line in log.splitlines() if "start-up objects for the garbage collector" in line]
+    assert [line.split(":")[0] for line in froze] == ["vmkv engine", "vmkv"], log
 
 
 def test_a_killed_server_takes_its_engine_along(server: tuple[subprocess.Popen, str]) -> None:
