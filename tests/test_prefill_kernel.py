@@ -1,7 +1,8 @@
 """The CPU prefill kernel against the naive fp32 reference, on the views the layouts hand it.
 
 K/V come as [L, Hkv, D] views with the strides of a token-major slot, a layer-packed slot
-(every layer's K and V of a token between two tokens) and a head-major slot; queries as the
+(every layer's K and V of a token between two tokens), a head-major slot, and a paged
+prefill's new rows (k contiguous, v a slice of the fused projection); queries as the
 packed batch's rows. Inputs are bf16, so the reference runs on the same rounded values and
 only the kernel's rounding remains (P and the output rounded to bf16): 2e-2 absolute for
 O(1) values, the bound the decode kernel's bf16 test uses. On a CPU without AVX512-BF16 the
@@ -34,6 +35,10 @@ def _views(layout: str, length: int, num_kv: int, head_dim: int) -> tuple[torch.
     if layout == "token":
         kv = torch.randn(2, length, num_kv, head_dim)
         return kv[0].bfloat16(), kv[1].bfloat16()
+    if layout == "projection":  # a paged prefill's new k/v: RoPE's output, a slice of the fused q/k/v
+        fused = torch.randn(length, 3 * num_kv * head_dim).bfloat16()  # [q | k | v] columns
+        k = torch.randn(length, num_kv, head_dim).bfloat16()
+        return k, fused[:, -num_kv * head_dim :].view(length, num_kv, head_dim)
     if layout == "packed":  # [tokens, layers=3, K/V, heads, dim]: layer 1's K and V
         packed = torch.randn(length, 3, 2, num_kv, head_dim).bfloat16()
         return packed[:, 1, 0], packed[:, 1, 1]
@@ -42,7 +47,7 @@ def _views(layout: str, length: int, num_kv: int, head_dim: int) -> tuple[torch.
 
 
 @needs_native
-@pytest.mark.parametrize("layout", ["token", "packed", "head"])
+@pytest.mark.parametrize("layout", ["token", "projection", "packed", "head"])
 @pytest.mark.parametrize(
     ("new", "cached", "num_q", "num_kv", "head_dim"),
     [

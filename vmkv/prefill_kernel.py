@@ -30,8 +30,8 @@ def _load(group: int, head_dim: int) -> ctypes._CFuncPtr | None:
     function = library.prefill_attention
     function.restype = ctypes.c_int
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    q, kv, out, sizes = [p, i64, i64], [p, p, i64, i64], [p, i64, i64], [i64, i64, i64]
-    function.argtypes = [*q, *kv, *out, *sizes, ctypes.c_float, ctypes.c_int]
+    view, sizes = [p, i64, i64], [i64, i64, i64]  # a view: data pointer, token and head strides
+    function.argtypes = [*view, *view, *view, *view, *sizes, ctypes.c_float, ctypes.c_int]
     function.library = library  # the function pointer keeps its library loaded
     return function
 
@@ -60,11 +60,14 @@ def kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
     """q [n, Hq, D] over k/v [L, Hkv, D] (L >= n; query row i sits at position L - n + i and
     sees keys 0..L - n + i; GQA: query head j reads KV head j // (Hq / Hkv)) -> [n, Hq, D].
-    Any token/head strides with the last dim contiguous; k and v strides equal. None where
-    the kernel does not apply (see kernel_applies)."""
+    Any token/head strides with the last dim contiguous, k's and v's their own (a paged
+    prefill's new k is RoPE's output, its v a slice of the fused projection). None where the
+    kernel does not apply (see kernel_applies)."""
     n, num_q, head_dim = q.shape
     length, num_kv, _ = k.shape
-    if not kernel_applies(q, k) or k.stride() != v.stride() or q.stride(2) != 1 or k.stride(2) != 1:
+    if not kernel_applies(q, k) or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        return None
+    if k.data_ptr() % 4 or k.stride(0) % 2 or k.stride(1) % 2:  # K is read as words of two bf16
         return None
     if not 0 < n <= length or num_q % num_kv or k.shape != v.shape:
         raise ValueError(f"q {list(q.shape)} cannot attend over k {list(k.shape)} / v {list(v.shape)}")
@@ -77,9 +80,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         q.stride(0),
         q.stride(1),
         k.data_ptr(),
-        v.data_ptr(),
         k.stride(0),
         k.stride(1),
+        v.data_ptr(),
+        v.stride(0),
+        v.stride(1),
         out.data_ptr(),
         out.stride(0),
         out.stride(1),

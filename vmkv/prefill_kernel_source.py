@@ -2,8 +2,8 @@
 
 One sequence's new rows attend causally over its context: query row i (of n) sits at
 position L - n + i and sees keys 0..L - n + i, so a chunk after cached tokens and a whole
-new prompt are the same call. K and V are read in place from any [L, Hkv, D] view (token and
-head strides, last dim contiguous): a vattention slot (any order), a contiguous slot or the
+new prompt are the same call. K and V are read in place from any [L, Hkv, D] views (token and
+head strides of their own, last dim contiguous): a vattention slot (any order), a contiguous slot or the
 concatenation a paged prefill builds.
 
 Why a kernel of our own: torch's CPU flash attention ran a 1,000-token causal bf16 prompt of
@@ -101,7 +101,7 @@ static void pack_v(const uint16_t* v, int64_t tok, int64_t L, int64_t blocks, ui
 typedef struct {
     const uint16_t *q, *k, *v;
     uint16_t* out;
-    int64_t q_tok, q_head, kv_tok, kv_head, out_tok, out_head;
+    int64_t q_tok, q_head, out_tok, out_head;
     int64_t n, L, hkv;
     float scale;
 } args_t;
@@ -212,10 +212,11 @@ static void attend_item(const args_t* a, const uint32_t* kp, const uint32_t* vp,
 
 /* out[i, h * GROUP + g] = softmax(scale * q[i, h * GROUP + g] . K[0 .. L - n + i]) V, for
    i < n, every KV head h < hkv. Strides in elements. Returns nonzero if memory ran out. */
-int prefill_attention(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* k, const uint16_t* v,
-                      int64_t kv_tok, int64_t kv_head, uint16_t* out, int64_t out_tok, int64_t out_head,
+int prefill_attention(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* k, int64_t k_tok,
+                      int64_t k_head, const uint16_t* v, int64_t v_tok, int64_t v_head, uint16_t* out,
+                      int64_t out_tok, int64_t out_head,
                       int64_t n, int64_t L, int64_t hkv, float scale, int num_threads) {
-    const args_t a = {q, k, v, out, q_tok, q_head, kv_tok, kv_head, out_tok, out_head, n, L, hkv, scale};
+    const args_t a = {q, k, v, out, q_tok, q_head, out_tok, out_head, n, L, hkv, scale};
     const int64_t blocks = (L + KB - 1) / KB, head_words = blocks * KB * D2;
     uint32_t* kp = aligned_alloc(64, (size_t)(2 * hkv * head_words) * 4);
     if (!kp) return 1;
@@ -226,8 +227,8 @@ int prefill_attention(const uint16_t* q, int64_t q_tok, int64_t q_head, const ui
     {
         #pragma omp for schedule(static)
         for (int64_t h = 0; h < hkv; h++) {
-            pack_k((const uint32_t*)(k + h * kv_head), kv_tok / 2, L, blocks, kp + h * head_words);
-            pack_v(v + h * kv_head, kv_tok, L, blocks, (uint16_t*)(vp + h * head_words));
+            pack_k((const uint32_t*)(k + h * k_head), k_tok / 2, L, blocks, kp + h * head_words);
+            pack_v(v + h * v_head, v_tok, L, blocks, (uint16_t*)(vp + h * head_words));
         }
         uint32_t* qbuf = aligned_alloc(64, sizeof(uint32_t) * ROWS_PAD * D2);
         uint16_t* pbuf = aligned_alloc(64, 2 * ROWS_PAD * KB);
