@@ -49,6 +49,19 @@ def reference(tiny_model_dir: Path, prompts: list[list[int]]):  # noqa: ANN201
     return reference_greedy(tiny_model_dir, prompts, MAX_TOKENS, torch.float32)
 
 
+@pytest.mark.parametrize("order", ["token", "head"])
+def test_vattention_lays_out_kv_in_the_order_asked_and_gives_the_same_tokens(
+    tiny_model_dir: Path, prompts: list[list[int]], reference, order: str
+) -> None:
+    llm = make_llm(tiny_model_dir, "vattention", kv_order=order, max_num_batched_tokens=32)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    geometry = llm.engine.cache.geometry
+    llm.close()
+    assert geometry.order == order
+    report = compare(reference, [o.outputs[0].token_ids for o in outputs])
+    assert report.passed and report.identical == len(prompts), report.mismatches
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 @pytest.mark.parametrize("kv_mode", ["vattention", "paged", "contiguous"])
 def test_greedy_matches_transformers_under_preemption_and_chunking(

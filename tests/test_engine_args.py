@@ -38,6 +38,7 @@ def test_defaults_are_the_config_defaults() -> None:
             preemption_mode="swap",
             block_size=32,
             page_size=4096,
+            kv_order="head",
             enable_prefix_caching=False,
             seed=7,
             num_threads=2,
@@ -78,3 +79,8 @@ def test_the_bench_starts_its_servers_with_the_same_settings_on_every_replica() 
     args = parser.parse_args(serve_arguments(config, 8123, data_parallel_size=2))
     assert engine_config(args) == config and args.data_parallel_size == 2 and args.port == 8123
     assert parser.parse_args(serve_arguments(config, 8123)).data_parallel_size == 1
+
+
+def test_an_unknown_kv_order_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match="kv_order must be one of .*packed"):
+        EngineConfig(kv_order="layer")

@@ -15,7 +15,7 @@ from collections.abc import Collection
 import torch
 
 from vmkv.engine import gemv_kernel
-from vmkv.engine.config import DTYPES, KV_MODES, PREEMPTION_MODES, EngineConfig
+from vmkv.engine.config import DTYPES, KV_MODES, KV_ORDERS, PREEMPTION_MODES, EngineConfig
 from vmkv.engine.cpu_linear import has_native_half_gemm
 from vmkv.model.store import DEFAULT_MODEL
 
@@ -107,6 +107,14 @@ def add_engine_arguments(
         help="bytes per page (vattention mode; default: the layout's own)",
     )
     add(
+        "kv_order",
+        "--kv-order",
+        choices=KV_ORDERS,
+        default=d.kv_order,
+        help="where vattention lays a sequence's K/V rows: packed (every layer per token, the most "
+        "sequences per budget), token or head (a range per layer's K and V); auto: packed",
+    )
+    add(
         "enable_prefix_caching",
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -190,6 +198,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
         "--preemption-mode", config.preemption_mode,
         "--block-size", str(config.block_size),
+        "--kv-order", config.kv_order,
         "--seed", str(config.seed),
         "--prefix-caching" if config.enable_prefix_caching else "--no-prefix-caching",
         "--compile" if config.compile_model else "--no-compile",
