@@ -361,13 +361,23 @@ def client_run(
 
 
 def offline_run(args: argparse.Namespace, model: str, target: str, dtype: str, round_index: int) -> dict:
-    """The same workload through LLM.generate in a fresh process (random token ids, ignore_eos)."""
+    """The same workload through LLM.generate in a fresh process (random token ids, ignore_eos),
+    on the engine settings the served target gets, --vmkv-args included (serve-only flags in
+    them are left out)."""
     kv_mode, compiled = target.split("-")[0], target.endswith("-compiled")
+    flags = [
+        *("--model", model, "--kv-mode", kv_mode, "--dtype", dtype),
+        *("--kv-budget-mib", str(args.kv_budget_mib), "--max-model-len", str(args.max_model_len)),
+        "--compile" if compiled else "--no-compile",
+        *args.vmkv_args.split(),
+    ]
     code = f"""
-import json, random, time
+import argparse, dataclasses, json, random, time
 from vmkv import LLM, SamplingParams
-llm = LLM({model!r}, kv_mode={kv_mode!r}, dtype={dtype!r}, kv_budget_bytes={args.kv_budget_mib} << 20,
-          max_model_len={args.max_model_len}, compile_model={compiled!r})
+from vmkv.engine.args import add_engine_arguments, engine_config
+parser = argparse.ArgumentParser()
+add_engine_arguments(parser)
+llm = LLM(**dataclasses.asdict(engine_config(parser.parse_known_args({flags!r})[0])))
 rng = random.Random({round_index})
 vocab = llm.engine.info.vocab_size
 prompts = [[rng.randrange(1000, vocab) for _ in range({args.input_len})] for _ in range({args.num_prompts})]
