@@ -26,7 +26,9 @@ def build_kv_cache(
     and vattention may name subclasses (tensor parallelism's rank 0 records what its cache does).
     """
     if config.kv_mode == "vattention":
-        options = {"order": config.kv_order}
+        options: dict[str, object] = {}  # unset ones: the layout's own (VAttentionConfig)
+        if config.kv_order != "auto":
+            options["order"] = config.kv_order
         if config.page_size is not None:
             options["page_size"] = config.page_size
         return (vattention or VAttentionKVCache)(
