@@ -98,11 +98,11 @@ static void pack_v(const uint16_t* v, int64_t tok, int64_t L, int64_t blocks, ui
     }
 }
 
-typedef struct {
-    const uint16_t *q, *k, *v;
+typedef struct {  /* what every item reads; K and V are read from their packed copies */
+    const uint16_t* q;
     uint16_t* out;
     int64_t q_tok, q_head, out_tok, out_head;
-    int64_t n, L, hkv;
+    int64_t n, L;
     float scale;
 } args_t;
 
@@ -216,7 +216,7 @@ int prefill_attention(const uint16_t* q, int64_t q_tok, int64_t q_head, const ui
                       int64_t k_head, const uint16_t* v, int64_t v_tok, int64_t v_head, uint16_t* out,
                       int64_t out_tok, int64_t out_head,
                       int64_t n, int64_t L, int64_t hkv, float scale, int num_threads) {
-    const args_t a = {q, k, v, out, q_tok, q_head, out_tok, out_head, n, L, hkv, scale};
+    const args_t a = {q, out, q_tok, q_head, out_tok, out_head, n, L, scale};
     const int64_t blocks = (L + KB - 1) / KB, head_words = blocks * KB * D2;
     uint32_t* kp = aligned_alloc(64, (size_t)(2 * hkv * head_words) * 4);
     if (!kp) return 1;

@@ -192,36 +192,23 @@ def server_command(
             str(port),
         ]
         return command, env
-    kv_mode, *options = target.split("-")
-    command = [
-        sys.executable,
-        "-m",
-        "vmkv.cli",
-        "serve",
-        "--model",
-        model,
-        "--served-model-name",
-        "model",
-        "--kv-mode",
-        kv_mode,
-        "--dtype",
-        dtype,
-        "--kv-budget-mib",
-        str(args.kv_budget_mib),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    if "thread" in options:
+    command = [sys.executable, "-m", "vmkv.cli", "serve", "--served-model-name", "model"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    if "thread" in target.split("-"):
         command.append("--no-engine-process")
-    command.append("--compile" if "compiled" in options else "--no-compile")
-    command += args.vmkv_args.split()
-    return command, env
+    return command + target_engine_flags(args, model, target, dtype), env
+
+
+def target_engine_flags(args: argparse.Namespace, model: str, target: str, dtype: str) -> list[str]:
+    """A vmkv target's engine flags, --vmkv-args last (they win): its served and offline runs
+    both take these."""
+    kv_mode, *options = target.split("-")
+    return [
+        *("--model", model, "--kv-mode", kv_mode, "--dtype", dtype),
+        *("--kv-budget-mib", str(args.kv_budget_mib), "--max-model-len", str(args.max_model_len)),
+        "--compile" if "compiled" in options else "--no-compile",
+        *args.vmkv_args.split(),
+    ]
 
 
 def wait_healthy(process: subprocess.Popen, url: str) -> None:
@@ -364,13 +351,7 @@ def offline_run(args: argparse.Namespace, model: str, target: str, dtype: str, r
     """The same workload through LLM.generate in a fresh process (random token ids, ignore_eos),
     on the engine settings the served target gets, --vmkv-args included (serve-only flags in
     them are left out)."""
-    kv_mode, compiled = target.split("-")[0], target.endswith("-compiled")
-    flags = [
-        *("--model", model, "--kv-mode", kv_mode, "--dtype", dtype),
-        *("--kv-budget-mib", str(args.kv_budget_mib), "--max-model-len", str(args.max_model_len)),
-        "--compile" if compiled else "--no-compile",
-        *args.vmkv_args.split(),
-    ]
+    flags = target_engine_flags(args, model, target, dtype)
     code = f"""
 import argparse, dataclasses, json, random, time
 from vmkv import LLM, SamplingParams
