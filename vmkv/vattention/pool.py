@@ -27,6 +27,11 @@ class PageSetPool:
         self._free = np.ones(self.num_sets, dtype=bool)
         self._free_count = self.num_sets
         self.refcount = [0] * self.num_sets
+        # the prefix index's holdings, and how many of its sets it alone holds: what evicting every
+        # evictable chunk frees, kept as a count because a scan of the index under the cache lock
+        # took a third of the mapper thread's samples once thousands of chunks were cached
+        self._indexed = [False] * self.num_sets
+        self.index_only = 0
         self.version = 0  # bumped by every take, share and release: what holds which set changed
         self.peak_held = 0  # most sets held at once
         self._resident = np.zeros(self.num_sets, dtype=bool)  # taken since its memory last went back
@@ -89,16 +94,28 @@ class PageSetPool:
         """These free sets' memory went back to the OS."""
         self._resident[set_ids] = False
 
-    def share(self, set_id: int) -> None:
-        """One more holder of this set: a slot mapping it (fork, prefix hit) or the prefix index."""
+    def share(self, set_id: int, index: bool = False) -> None:
+        """One more holder of this set: a slot mapping it (fork, prefix hit) or, with index, the
+        prefix index (which holds a set at most once)."""
+        sole = self._index_only(set_id)
         self.refcount[set_id] += 1
+        self._indexed[set_id] |= index
+        self.index_only += self._index_only(set_id) - sole
         self.version += 1
 
-    def release(self, set_id: int) -> None:
-        """One holder let go of this set; the last one returns it to the free list."""
+    def release(self, set_id: int, index: bool = False) -> None:
+        """One holder (with index: the prefix index) let go of this set; the last one returns it
+        to the free list."""
+        sole = self._index_only(set_id)
         self.refcount[set_id] -= 1
+        if index:
+            self._indexed[set_id] = False
+        self.index_only += self._index_only(set_id) - sole
         self.version += 1
         if self.refcount[set_id] == 0:
             self._freed_at[set_id] = time.monotonic()
             self._free[set_id] = True
             self._free_count += 1
+
+    def _index_only(self, set_id: int) -> bool:
+        return self._indexed[set_id] and self.refcount[set_id] == 1

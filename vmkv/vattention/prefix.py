@@ -14,8 +14,8 @@ may end mid-token. Its key then covers every token with a byte in its pages (the
 included), a hit reuses only the tokens wholly inside, and the hit's last page, where the
 straddling token is rewritten, gets a private copy first (copy-on-write, sharing.py).
 Invariants, under the cache's lock:
-- the index holds one reference on each set of each chunk it holds, so pool.refcount[s] is the
-  number of slots mapping s plus one while s is indexed;
+- the index holds one reference on each set of each chunk it holds, and a set in one chunk only,
+  so pool.refcount[s] is the number of slots mapping s plus one while s is indexed;
 - only chunks wholly below a sequence's written tokens are indexed, and a sequence only ever
   writes at or beyond its written tokens, so a cached page is never written;
 - a chunk is evictable when the index is the only holder of at least one of its sets: a hit
@@ -138,7 +138,7 @@ class PrefixIndex:
                 key = BlockKey(parent, tokens, identity)
                 chunk_sets = sets[i * self.pages : (i + 1) * self.pages]
                 for s in chunk_sets:
-                    self.pool.share(s)
+                    self.pool.share(s, index=True)
                 self.chunks[hashes[i]] = CachedChunk(hashes[i], key, chunk_sets, now)
             elif cached.key.matches(parent, tokens, identity):
                 key = cached.key
@@ -183,7 +183,7 @@ class PrefixIndex:
 
     def evictable_sets(self) -> int:
         """Sets that evicting every evictable chunk would free."""
-        return sum(1 for chunk in self.chunks.values() for s in chunk.sets if self.pool.refcount[s] == 1)
+        return self.pool.index_only
 
     def evict(self, n: int, idle_before: float | None = None) -> list[int]:
         """Give up least recently used evictable chunks until n sets are free (or, with
@@ -198,7 +198,7 @@ class PrefixIndex:
             if self.evictable(chunk):
                 del self.chunks[chunk.block_hash]
                 for s in chunk.sets:
-                    self.pool.release(s)
+                    self.pool.release(s, index=True)
                 self.events.prefix_cache_evictions += 1
                 freed += [s for s in chunk.sets if self.pool.refcount[s] == 0]
         return freed
@@ -207,5 +207,5 @@ class PrefixIndex:
         """Drop every chunk's reference (close)."""
         for chunk in self.chunks.values():
             for s in chunk.sets:
-                self.pool.release(s)
+                self.pool.release(s, index=True)
         self.chunks.clear()
