@@ -126,6 +126,17 @@ def test_long_contexts_split_over_threads_and_combine(dtype: torch.dtype, flags:
 
 
 @pytest.mark.parametrize("flags", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_contexts_longer_than_a_chunk_fold_each_heads_state(dtype: torch.dtype, flags: tuple) -> None:
+    """Where a token's heads share its row, the kernel passes over 256 KiB chunks (160 fp32 or
+    336 bf16 tokens of this shape), every head per chunk, and folds the chunks' softmax states:
+    contexts of several chunks and on either side of a boundary, enough sequences not to split,
+    and large scores, so the running maximum moves between chunks."""
+    lens = [1000, 1, 159, 160, 161, 335, 336, 337, 700]
+    _check(dtype, 3, 3, 64, lens, flags, q_scale=30.0)
+
+
+@pytest.mark.parametrize("flags", VARIANTS)
 def test_large_scores_keep_the_running_maximum_exact(flags: tuple) -> None:
     """Queries 30x larger make scores of a few hundred: the softmax is nearly one-hot and the
     running maximum moves between tiles, so every rescaling of the partial state is exercised."""

@@ -506,11 +506,33 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
 
 #endif
 
+/* A chunk of a dense context whose heads share each token's row: the K and V bytes of all its
+   heads, read head after head while they stay in L2. At batch 64 on a 2-core AMX Xeon (K/V
+   from memory, bench_kernels' caches, both builds in one process, 7-9 interleaved rounds) a
+   pass per head over the whole context took, against 192 KiB-1 MiB chunks, 1/0.92-0.95 the
+   time at 2,048 tokens layer-packed and 1/0.95-0.96 token-major; level at 320 tokens and at
+   batch 1 (its pieces are shorter than a chunk). Paged blocks were level (1/0.99-1.02): not
+   chunked. Prefetching the other heads' lines into L2 during head 0's pass was slower
+   (1.01-1.06x). */
+#define CHUNK_BYTES (256 << 10)
+/* Fold a later range's softmax state into an earlier one's (element-wise, so in any
+   accumulator order). */
+static void merge_state(partial_t* into, const partial_t* add) {
+    for (int g = 0; g < GROUP; g++) {
+        const float mx = fmaxf(into->m[g], add->m[g]);
+        const float a = exp2f(into->m[g] - mx), w = exp2f(add->m[g] - mx);
+        into->m[g] = mx;
+        into->l[g] = a * into->l[g] + w * add->l[g];
+        for (int d = 0; d < HEAD_DIM; d++) into->acc[g][d] = a * into->acc[g][d] + w * add->acc[g][d];
+    }
+}
+
 /* Attention of every sequence's query row over its context, for one layer.
    q/out: [T, num_kv_heads * GROUP, HEAD_DIM] contiguous; kc/vc: the layer's K/V base;
    k_new/v_new (or NULL): [T, num_kv_heads, HEAD_DIM] contiguous, the step's new tokens.
    Work items are (sequence, context piece), each running its KV heads one after another on
-   one thread: one K and one V stream at a time, and the heads' rows of a token, which share
+   one thread (per chunk where a token's heads share its row, CHUNK_BYTES): one K and one V
+   stream at a time, and the heads' rows of a token, which share
    pages and DRAM rows (layer-packed: one 4 KiB page per token; token-major and paged: adjacent
    lines), are read by one core. Items of (sequence, KV head, piece) spread a token's heads
    over both cores of a 2-core Xeon: at batch 64 this order took 1.03-1.06 against 1.19-1.21 ms
@@ -547,6 +569,11 @@ int decode_attention(const plan_t* p, const kv_t* q, kv_t* kc, kv_t* vc, kv_t* o
         split = (total + 4 * num_threads - 1) / (4 * num_threads);
         split = split < p->min_split ? p->min_split : (split + V - 1) / V * V;
     }
+    /* Heads interleaved in a token's row (token-major, layer-packed): pass over the context in
+       chunks of CHUNK_BYTES, every head per chunk, so heads 1.. read their lines from L2. */
+    int64_t chunk = !p->tables && p->head_stride == HEAD_DIM && hkv > 1
+        ? CHUNK_BYTES / (2 * hkv * HEAD_DIM * (int64_t)sizeof(kv_t)) : INT64_MAX;
+    if (chunk < INT64_MAX) chunk = chunk < V ? V : chunk / V * V;
     int64_t* first = malloc((p->num_seqs + 1) * sizeof(int64_t));  /* first piece of each sequence */
     if (!first) return -1;
     first[0] = 0;
@@ -570,31 +597,27 @@ int decode_attention(const plan_t* p, const kv_t* q, kv_t* kc, kv_t* vc, kv_t* o
             }
             const int64_t b = lo, s = it - first[b], len = p->lens[b];
             const int64_t t0 = scratch ? s * split : 0, t1 = scratch && t0 + split < len ? t0 + split : len;
-            for (int64_t h = 0; h < hkv; h++) {  /* one thread: a token's heads share lines and pages */
-                partial_t own;
-                partial_t* st = scratch ? scratch + it * hkv + h : &own;
-                attend_range(p, q + p->rows[b] * q_row, kc, vc, b, h, t0, t1, scale2, st);
-                if (!scratch) write_out(out + p->rows[b] * q_row + h * GROUP * HEAD_DIM, st);
+            partial_t own[hkv];
+            partial_t* st = scratch ? scratch + it * hkv : own;
+            for (int64_t c0 = t0, c1; c0 < t1; c0 = c1) {
+                c1 = t1 - c0 > chunk ? c0 + chunk : t1;
+                for (int64_t h = 0; h < hkv; h++) {  /* one thread: a token's heads share lines and pages */
+                    partial_t part;
+                    partial_t* into = c0 == t0 ? st + h : &part;
+                    attend_range(p, q + p->rows[b] * q_row, kc, vc, b, h, c0, c1, scale2, into);
+                    if (c0 != t0) merge_state(st + h, &part);
+                }
             }
+            if (!scratch)
+                for (int64_t h = 0; h < hkv; h++)
+                    write_out(out + p->rows[b] * q_row + h * GROUP * HEAD_DIM, st + h);
         }
         if (scratch) {
             #pragma omp for schedule(dynamic, 1)
             for (int64_t bh = 0; bh < p->num_seqs * hkv; bh++) {  /* combine the pieces */
                 const int64_t b = bh / hkv, h = bh % hkv;
-                partial_t st;
-                for (int g = 0; g < GROUP; g++) {
-                    float mx = -1e30f;
-                    for (int64_t s = first[b]; s < first[b + 1]; s++)
-                        mx = fmaxf(mx, scratch[s * hkv + h].m[g]);
-                    st.m[g] = mx; st.l[g] = 0.f;
-                    for (int d = 0; d < HEAD_DIM; d++) st.acc[g][d] = 0.f;
-                    for (int64_t s = first[b]; s < first[b + 1]; s++) {
-                        const partial_t* ps = &scratch[s * hkv + h];
-                        const float w = exp2f(ps->m[g] - mx);
-                        st.l[g] += w * ps->l[g];
-                        for (int d = 0; d < HEAD_DIM; d++) st.acc[g][d] += w * ps->acc[g][d];
-                    }
-                }
+                partial_t st = scratch[first[b] * hkv + h];
+                for (int64_t s = first[b] + 1; s < first[b + 1]; s++) merge_state(&st, &scratch[s * hkv + h]);
                 write_out(out + p->rows[b] * q_row + h * GROUP * HEAD_DIM, &st);
             }
         }
