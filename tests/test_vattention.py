@@ -344,6 +344,16 @@ def test_the_premapped_reserve_stays_within_its_share_and_goes_when_the_cache_is
     cache.close()
 
 
+def test_freshly_premapped_slots_are_not_trimmed_as_long_idle() -> None:
+    # every kept set is beyond a zero watermark, but the reserve's pages were mapped just now
+    options = {"premap_tokens": 16, "kept_idle_seconds": 3600, "kept_watermark": 0.0}
+    cache = make_cache(num_sets=32, order="packed", **options)
+    cache.wait_mapper()
+    assert cache.table.reserve() == 2
+    assert cache.trim() == 0 and cache.table.reserve() == 2
+    cache.close()
+
+
 def test_a_prompt_longer_than_a_reserve_slot_takes_its_other_pages_from_the_reserve() -> None:
     # four reserve slots of 2 pages (16 tokens); an 80-token prompt needs 10 pages
     cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=16, premap_fraction=0.25)

@@ -7,6 +7,7 @@ without one, inline. The caller holds the cache's lock."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from vmkv.dense.plan import group_decodes
@@ -87,8 +88,9 @@ class MapAhead:
         if want <= 0:
             return
         pool = table.pool
-        if job.idle and not self._room_for_reserve(want):
-            return  # pre-mapping waits for memory
+        if job.idle:
+            if not self._room_for_reserve(want):
+                return  # pre-mapping waits for memory
         elif want > pool.free_count:
             events.ahead_skipped += 1
             return
@@ -97,6 +99,8 @@ class MapAhead:
         except OutOfKVMemory:
             events.ahead_skipped += 1
             return
+        if job.idle:  # fresh pages: the trimmer must not take them for long idle
+            slot.idle_since = time.monotonic()
         if job.group_pad:
             events.group_pad_page_sets += want
 
@@ -113,9 +117,9 @@ class MapAhead:
             return False
         running = sum(1 for s in table.slots if s.seq_id is not None)
         held = pool.num_sets - pool.free_count
-        short = max(want + running - pool.free_count, held + want - max(pool.peak_held, self.reserve_limit))
+        ceiling = max(pool.peak_held, self.reserve_limit)
+        short = max(want + running - pool.free_count, held + want - ceiling)
         if 0 < short <= (table.prefix.evictable_sets() if table.prefix is not None else 0):
             table.prefix.evict(short)
             held = pool.num_sets - pool.free_count
-        ceiling = max(pool.peak_held, self.reserve_limit)
         return want + running <= pool.free_count and held + want <= ceiling

@@ -37,7 +37,7 @@ class Slot:
     seq_id: int | None = None  # None: idle (it may still keep pages)
     generation: int = 0  # bumped whenever the owner changes; stale mapper jobs compare it
     pinned: int = 0  # pages the current step's plan reads; never reclaimed under it
-    idle_since: float = 0.0  # monotonic seconds when it last became idle (trimming's clock)
+    idle_since: float = 0.0  # monotonic seconds when it last fell idle or was pre-mapped (trimming's clock)
 
 
 @dataclass
