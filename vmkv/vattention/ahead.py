@@ -1,10 +1,9 @@
 """Mapping ahead of need, so the step thread rarely maps: look-ahead for the next step's
 tokens, group padding, and pre-mapped idle slots for the next admissions (the reserve). Jobs
-take free page sets and never reclaim what a sequence or the reserve holds; look-ahead and the
-reserve may evict least recently used cached chunks nobody runs (_evict_cached,
-_room_for_reserve). Jobs are dropped when their slot changed owner since they were queued, and
-run on the background mapper's thread (mapper.py) or, without one, inline. The caller holds the
-cache's lock."""
+take free page sets only, never reclaiming kept pages (the reserve may evict least recently
+used cached chunks at the held peak: _room_for_reserve), are dropped when their slot changed
+owner since they were queued, and run on the background mapper's thread (mapper.py) or,
+without one, inline. The caller holds the cache's lock."""
 
 from __future__ import annotations
 
@@ -63,12 +62,11 @@ class MapAhead:
                         jobs.append(MapJob(slot.index, slot.generation, target, group_pad=True))
         return jobs
 
-    def premap(self, target_tokens: int, slots: int, admitting: bool = False) -> list[MapJob]:
+    def premap(self, target_tokens: int, slots: int) -> list[MapJob]:
         """Jobs backing up to `slots` idle slots for a prompt of target_tokens, as many as fit
         the reserve limit whole: the slots the next admissions pick (SlotTable.pick: enough kept
         pages, else the most), so they map nothing on the step thread. Each slot is mapped in
-        pieces of PREMAP_PIECE pages, one job each, so the cache lock is free between them.
-        admitting: this step admitted, so more admissions are likely (see _room_for_reserve)."""
+        pieces of PREMAP_PIECE pages, one job each, so the cache lock is free between them."""
         want = self.geometry.pages_for(target_tokens)
         fit = min(slots, self.reserve_limit // want)
         private = [s for s in self.table.idle() if self.table.usable(s) == len(s.sets)]
@@ -77,7 +75,7 @@ class MapAhead:
         for slot in (s for s in chosen if len(s.sets) < want):
             pieces = range(len(slot.sets) + PREMAP_PIECE, want, PREMAP_PIECE)
             targets = [self.geometry.tokens_backed(p) for p in pieces] + [target_tokens]
-            jobs += [MapJob(slot.index, slot.generation, t, idle=True, admitting=admitting) for t in targets]
+            jobs += [MapJob(slot.index, slot.generation, t, idle=True) for t in targets]
         return jobs
 
     def run(self, job: MapJob, background: bool) -> None:
@@ -91,10 +89,10 @@ class MapAhead:
             return
         pool = table.pool
         if job.idle:
-            if not self._room_for_reserve(want, job.admitting):
+            if not self._room_for_reserve(want):
                 return  # pre-mapping waits for memory
-        elif want > pool.free_count and (job.group_pad or not self._evict_cached(want - pool.free_count)):
-            events.ahead_skipped += 1  # group padding is surplus: it evicts nothing
+        elif want > pool.free_count:
+            events.ahead_skipped += 1
             return
         try:
             table.mapping.map_sets(slot, table.pool.take(want, table.prefer(slot)), background)
@@ -106,44 +104,20 @@ class MapAhead:
         if job.group_pad:
             events.group_pad_page_sets += want
 
-    def _evict_cached(self, n: int) -> bool:
-        """Free n sets from cached chunks nobody maps, least recently used first, if they hold
-        that many, first dropping the pages idle slots keep of cached chunks (the longest idle
-        first; their next sequence would drop them anyway, SlotTable.clear_shared). Otherwise a
-        sequence's next pages take them on the step thread: once admissions took the reserve
-        instead of reclaiming, with the pool full of a finished wave's chunks, 1,067 of the next
-        wave's grows did (offline, 64 x 256/128 arriving 8 a step)."""
-        table, prefix = self.table, self.table.prefix
-        if prefix is None:
-            return False
-        holding = [s for s in table.idle() if s.sets and not table.usable(s)]
-        for slot in sorted(holding, key=lambda s: s.idle_since):
-            if prefix.evictable_sets() >= n:
-                break
-            table.mapping.drop_pages(slot, 0)
-        if n > prefix.evictable_sets():
-            return False
-        prefix.evict(n)
-        return True
-
-    def _room_for_reserve(self, want: int, admitting: bool) -> bool:
+    def _room_for_reserve(self, want: int) -> bool:
         """Whether `want` more sets may join the reserve, making room when they can.
 
         The reserve stays within reserve_limit; a free set stays for every running sequence's next
         page; and the held sets stay within the most held so far (or the limit), so an idle cache
-        holds no more than its running peak, except right after admissions (admitting), when
-        the reserve may stand up to reserve_limit above it: while a burst of prompts is admitted
-        the held sets are at their peak, and refilling only below it left 58 of a served wave's
-        64 admissions (64 x 256/128, all at once) mapping on the step thread, 0.11-0.56 s of it
-        in four runs; with it, 4 did (the first step's, before any refill). Within those, the
-        reserve outranks the least recently used cached chunks nobody maps: every admission
-        draws on it, a chunk serves only a repeat of its prefix. They are evicted for it."""
+        holds no more than its running peak. Within those, the reserve outranks the least recently
+        used cached chunks nobody maps: every admission draws on it, a chunk serves only a repeat
+        of its prefix. They are evicted for it."""
         table, pool = self.table, self.table.pool
         if table.reserve() + want > self.reserve_limit:
             return False
         running = sum(1 for s in table.slots if s.seq_id is not None)
         held = pool.num_sets - pool.free_count
-        ceiling = max(pool.peak_held, self.reserve_limit) + (self.reserve_limit if admitting else 0)
+        ceiling = max(pool.peak_held, self.reserve_limit)
         short = max(want + running - pool.free_count, held + want - ceiling)
         if 0 < short <= (table.prefix.evictable_sets() if table.prefix is not None else 0):
             table.prefix.evict(short)

@@ -278,7 +278,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             # premap() walks every idle slot: run each step it cost ~0.6 ms at 64 sequences in
             # 255 slots (bench_kernels.py prepare), and resubmitted jobs the mapper then dropped.
             if self._premap and admitted:
-                jobs += self._ahead.premap(*self._premap_demand(), admitting=True)
+                jobs += self._ahead.premap(*self._premap_demand())
             self.peaks.observe(self.table)
         plan = plan_step(
             batch,

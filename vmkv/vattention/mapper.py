@@ -20,7 +20,6 @@ class MapJob:
     target_tokens: int
     group_pad: bool = False  # surplus pages that let the slot join a batched decode call
     idle: bool = False  # pre-mapping an idle slot for the next admission (its generation is the idle one)
-    admitting: bool = False  # pre-mapping right after admissions: the reserve may stand above the held peak
 
 
 class BackgroundMapper:
