@@ -512,8 +512,8 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
    pass per head over the whole context took, against 192 KiB-1 MiB chunks, 1/0.92-0.95 the
    time at 2,048 tokens layer-packed and 1/0.95-0.96 token-major; level at 320 tokens and at
    batch 1 (its pieces are shorter than a chunk). Paged blocks were level (1/0.99-1.02): not
-   chunked. Prefetching the other heads' lines into L2 during head 0's pass was slower
-   (1.01-1.06x). */
+   chunked. Prefetching the other heads' lines into L2 during head 0's pass, with or without
+   chunks, was slower (1.01-1.09x). */
 #define CHUNK_BYTES (256 << 10)
 /* Fold a later range's softmax state into an earlier one's (element-wise, so in any
    accumulator order). */
@@ -532,9 +532,9 @@ static void merge_state(partial_t* into, const partial_t* add) {
    k_new/v_new (or NULL): [T, num_kv_heads, HEAD_DIM] contiguous, the step's new tokens.
    Work items are (sequence, context piece), each running its KV heads one after another on
    one thread (per chunk where a token's heads share its row, CHUNK_BYTES): one K and one V
-   stream at a time, and the heads' rows of a token, which share
-   pages and DRAM rows (layer-packed: one 4 KiB page per token; token-major and paged: adjacent
-   lines), are read by one core. Items of (sequence, KV head, piece) spread a token's heads
+   stream at a time, and the heads' rows of a token, which share pages and DRAM rows
+   (layer-packed: one 4 KiB page per token; token-major and paged: adjacent lines), are read
+   by one core. Items of (sequence, KV head, piece) spread a token's heads
    over both cores of a 2-core Xeon: at batch 64 this order took 1.03-1.06 against 1.19-1.21 ms
    per layer at 320 tokens token-major, 1.25-1.27 against 1.43-1.45 layer-packed, 1.06-1.08
    against 1.26 paged in runs (2,048 tokens: 6.3-6.6 / 7.0-7.2, 9.3 / 9.8-10.1, 6.4 / 7.1-7.3;
