@@ -302,9 +302,10 @@ class ContractLifecycle(RuleBasedStateMachine):
                 holders[s] = holders.get(s, 0) + 1
         assert all(pool.refcount[s] == holders.get(s, 0) for s in range(pool.num_sets))
         assert pool.free_count == sum(1 for r in pool.refcount if r == 0)
-        indexed = [s for chunk in cache.prefix.chunks.values() for s in chunk.sets] if cache.prefix else []
-        assert len(indexed) == len(set(indexed))  # the index holds a set in one chunk only
-        if cache.prefix is not None:  # the pool's running count is the scan it replaces
+        if cache.prefix is not None:
+            indexed = [s for chunk in cache.prefix.chunks.values() for s in chunk.sets]
+            assert len(indexed) == len(set(indexed))  # the index holds a set in one chunk only
+            # the pool's running count is the scan it replaces
             assert cache.prefix.evictable_sets() == sum(1 for s in indexed if pool.refcount[s] == 1)
         assert cache.driver.stats.pages_mapped == sum(len(s.sets) for s in table.slots) * cache.geometry.units
         pages: dict[str | None, set[int]] = {}

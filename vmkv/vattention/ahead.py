@@ -88,9 +88,8 @@ class MapAhead:
         if want <= 0:
             return
         pool = table.pool
-        if job.idle:
-            if not self._room_for_reserve(want):
-                return  # pre-mapping waits for memory
+        if job.idle and not self._room_for_reserve(want):
+            return  # pre-mapping waits for memory
         elif want > pool.free_count:
             events.ahead_skipped += 1
             return
