@@ -11,7 +11,7 @@ from vmkv.engine.outputs import RequestMetrics
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import ALONE_RETRIES, Scheduler, SchedulerOutput
 from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, StepBatch
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, StepBatch, UpcomingPrompt
 
 
 class TokenCache(KVCache):
@@ -24,6 +24,7 @@ class TokenCache(KVCache):
         self.lengths: dict[int, int] = {}
         self.swapped: dict[int, int] = {}
         self.events: list[tuple[str, int]] = []
+        self.upcoming: list[int] = []  # prompt lengths of the last expect()
 
     def _need(self, tokens: int) -> None:
         if tokens > self.free_capacity():
@@ -76,6 +77,9 @@ class TokenCache(KVCache):
         for i in seq_ids:
             self.lengths[i] = self.swapped.pop(i)
             self.events.append(("swap_in", i))
+
+    def expect(self, prompts: SequenceABC[UpcomingPrompt]) -> None:
+        self.upcoming = [len(p.token_ids) for p in prompts]
 
     def prepare(self, batch: StepBatch) -> object:
         raise AssertionError("scheduler tests never run a step")
@@ -259,3 +263,24 @@ def test_many_groups_under_pressure_all_finish(mode: str) -> None:
     for g in groups:
         assert g.seqs[0].num_output == g.params.max_tokens
     assert cache.lengths == {} and cache.swapped == {}
+
+
+def test_the_cache_is_told_the_waiting_prompts_the_next_step_admits() -> None:
+    scheduler, cache = make_scheduler(1000, max_num_seqs=8, max_num_batched_tokens=64)
+    groups = [make_group(i, n, max_tokens=8) for i, n in enumerate([30, 30, 30, 20, 10, 10, 10])]
+    for g in groups:
+        scheduler.add(g)
+    run_step(scheduler)  # 0 and 1 whole, 4 tokens of 2
+    # next step: 64 - 2 decodes - 26 of prompt 2 leaves 36 tokens: 20 + 10 + (6 of) 10
+    assert cache.upcoming == [20, 10, 10]
+    out = run_step(scheduler)
+    assert {30, 40, 50} <= set(scheduled_ids(out)) and 60 not in scheduled_ids(out)
+    assert groups[6].status is RequestStatus.WAITING
+
+
+def test_no_waiting_prompt_is_announced_beyond_the_free_sequence_seats() -> None:
+    scheduler, cache = make_scheduler(1000, max_num_seqs=3, max_num_batched_tokens=64)
+    for i in range(5):
+        scheduler.add(make_group(i, 8, max_tokens=8))
+    run_step(scheduler)
+    assert cache.upcoming == []  # three run: no seat until one finishes

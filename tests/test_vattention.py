@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from vmkv.drivers import HostDriver, RawCallError
 
-from vmkv.kv_cache import KVShape, OutOfKVMemory, SeqStep, SequenceTooLong, StepBatch
+from vmkv.kv_cache import KVShape, OutOfKVMemory, SeqStep, SequenceTooLong, StepBatch, UpcomingPrompt
 from vmkv.vattention import VAttentionConfig, VAttentionKVCache
 from vmkv.vattention.geometry import SlotGeometry
 
@@ -372,6 +372,45 @@ def test_premapped_pages_give_way_to_a_sequence_that_needs_them() -> None:
     cache.admit(1, [0] * MAX_LEN)  # 25 pages: 12 free, the rest reclaimed from pre-mapped slots
     assert cache.slot_pages(1) == 25 and cache.stats().page_sets_reclaimed > 0
     check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_waiting_prompts_find_idle_slots_backed_for_their_own_lengths() -> None:
+    # no reserve (premap_fraction 0): only the prompts the scheduler names get slots, each at its
+    # own length (3 and 5 pages at 8 tokens a page), above the held peak of two pages
+    cache = make_cache(num_sets=32, order="packed", premap_fraction=0.0)
+    cache.admit(1, [0] * 8)
+    write(cache, [SeqStep(1, 0, 8)], {1: 1.0})
+    cache.wait_mapper()
+    assert cache.table.reserve() == 0
+    cache.expect([UpcomingPrompt([1] * 17), UpcomingPrompt([2] * 40)])
+    cache.grow(1, [0])
+    write(cache, [SeqStep(1, 8, 1)], {1: 1.0})
+    cache.wait_mapper()
+    assert sorted(len(s.sets) for s in cache.table.idle() if s.sets) == [3, 5]
+    critical = cache.stats().map_calls_critical
+    cache.admit(2, [1] * 17)  # the best fit: the 3-page slot, though the 5-page one is lower
+    cache.admit(3, [2] * 40)
+    assert cache.stats().map_calls_critical == critical
+    assert cache.table.reserve() == 0 and cache.slot_pages(2) == 3 and cache.slot_pages(3) == 5
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_a_waiting_prompt_with_a_cached_first_chunk_gets_no_slot_backed_ahead() -> None:
+    cache = make_cache(num_sets=32, order="packed", premap_fraction=0.0, prefix_caching=True)
+    prompt = list(range(40))
+    cache.admit(1, prompt)
+    write(cache, [SeqStep(1, 0, 40)], {1: 1.0})
+    cache.free(1)  # the prefix index keeps its 5 pages
+    cache.admit(2, [7] * 8)
+    cache.wait_mapper()
+    # a hit needs no slot backed ahead; the same tokens under another salt are a new prompt
+    cache.expect([UpcomingPrompt(prompt + [1]), UpcomingPrompt(prompt, cache_salt="other")])
+    write(cache, [SeqStep(2, 0, 8)], {2: 2.0})
+    cache.wait_mapper()
+    assert [len(s.sets) for s in cache.table.idle() if s.sets] == [5]  # the salted prompt's
+    assert cache.table.reserve() == 5
     cache.close()
 
 

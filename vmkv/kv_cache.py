@@ -59,6 +59,14 @@ class KVShape:
 
 
 @dataclass(frozen=True)
+class UpcomingPrompt:
+    """A waiting prompt the scheduler expects to admit at the next step (KVCache.expect)."""
+
+    token_ids: Sequence[int]
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
 class SeqStep:
     """One sequence's share of a step: write and attend for num_new tokens after num_cached."""
 
@@ -278,6 +286,11 @@ class KVCache(ABC, Generic[Plan]):
         """The forward pass has written the plan's tokens in every layer: they count as written
         from now on (forks share them, prefix caching indexes them). Not called for a step
         whose forward failed, so nothing half written is ever shared."""
+
+    def expect(self, prompts: Sequence[UpcomingPrompt]) -> None:  # noqa: B027 - advice only
+        """The prompts the next step likely admits (the waiting queue's head), told once a step
+        before prepare(), replacing the last step's. A layout that maps memory may back them
+        while this step computes; the others ignore it. Advice only: nothing is reserved."""
 
     def close(self) -> None:  # noqa: B027 - optional hook; layouts holding no OS resources skip it
         """Give back every resource (driver pages, threads)."""

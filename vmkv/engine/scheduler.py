@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
-from vmkv.kv_cache import KVCache, OutOfKVMemory
+from vmkv.kv_cache import KVCache, OutOfKVMemory, UpcomingPrompt
 
 # Admit new work only while this fraction of the KV capacity stays free for running
 # sequences to grow into; admitting to the last token would preempt on the next decode.
@@ -131,7 +131,30 @@ class Scheduler:
 
         for plan in planned.values():
             out.scheduled.extend(plan)
+        self.cache.expect(self._upcoming(out))
         return out
+
+    def _upcoming(self, out: SchedulerOutput) -> list[UpcomingPrompt]:
+        """The waiting prompts the next step likely admits, as _admit_waiting would take them:
+        from the queue's head while the token budget the running sequences leave next step and
+        the free sequence seats last. None while groups are swapped out (they resume first) or
+        after a preemption (memory is short)."""
+        if not self.waiting or self.swapped or out.num_preempted:
+            return []
+        new = {id(s.seq): s.num_new for s in out.scheduled}
+        running = (seq for group in self.running for seq in group.live_seqs)
+        budget = self.config.max_num_batched_tokens - sum(
+            max(1, seq.num_uncomputed - new.get(id(seq), 0)) for seq in running
+        )
+        seats = self.config.max_num_seqs - self.num_running_seqs
+        upcoming: list[UpcomingPrompt] = []
+        for group in self.waiting:
+            if budget <= 0 or group.num_seq_slots > seats:
+                break
+            upcoming += [UpcomingPrompt(seq.token_ids, group.cache_salt) for seq in group.live_seqs]
+            budget -= sum(seq.num_uncomputed for seq in group.live_seqs)
+            seats -= group.num_seq_slots
+        return upcoming
 
     # ------------------------------------------------------------ planning
     def _plan(self, group: SequenceGroup, budget: int) -> list[ScheduledSeq]:

@@ -64,18 +64,30 @@ class MapAhead:
 
     def premap(self, target_tokens: int, slots: int) -> list[MapJob]:
         """Jobs backing up to `slots` idle slots for a prompt of target_tokens, as many as fit
-        the reserve limit whole: the slots the next admissions pick (SlotTable.pick: enough kept
-        pages, else the most), so they map nothing on the step thread. Each slot is mapped in
+        the reserve limit whole: the slots the next admissions pick (SlotTable.pick), so they
+        map nothing on the step thread."""
+        fit = min(slots, self.reserve_limit // self.geometry.pages_for(target_tokens))
+        return self._back_idle([target_tokens] * fit, upcoming=False)
+
+    def for_upcoming(self, lengths: list[int]) -> list[MapJob]:
+        """Jobs backing one idle slot for each prompt the next step likely admits, at its own
+        length, so its admission maps nothing on the step thread and its slot (the best fit,
+        SlotTable.pick) holds no page beside it. Neither the reserve limit nor the held peak
+        bounds them: the admissions take these pages at the next step anyway."""
+        return self._back_idle(sorted(lengths, reverse=True), upcoming=True)
+
+    def _back_idle(self, targets: list[int], upcoming: bool) -> list[MapJob]:
+        """Back the idle slots keeping the most private pages to targets (largest first), each in
         pieces of PREMAP_PIECE pages, one job each, so the cache lock is free between them."""
-        want = self.geometry.pages_for(target_tokens)
-        fit = min(slots, self.reserve_limit // want)
         private = [s for s in self.table.idle() if self.table.usable(s) == len(s.sets)]
-        chosen = sorted(private, key=lambda s: (-len(s.sets), s.index))[:fit]
+        chosen = sorted(private, key=lambda s: (-len(s.sets), s.index))
         jobs = []
-        for slot in (s for s in chosen if len(s.sets) < want):
-            pieces = range(len(slot.sets) + PREMAP_PIECE, want, PREMAP_PIECE)
-            targets = [self.geometry.tokens_backed(p) for p in pieces] + [target_tokens]
-            jobs += [MapJob(slot.index, slot.generation, t, idle=True) for t in targets]
+        for slot, target in zip(chosen, targets, strict=False):
+            want = self.geometry.pages_for(target)
+            if len(slot.sets) < want:
+                pieces = range(len(slot.sets) + PREMAP_PIECE, want, PREMAP_PIECE)
+                tokens = [self.geometry.tokens_backed(p) for p in pieces] + [target]
+                jobs += [MapJob(slot.index, slot.generation, t, idle=True, upcoming=upcoming) for t in tokens]
         return jobs
 
     def run(self, job: MapJob, background: bool) -> None:
@@ -88,7 +100,7 @@ class MapAhead:
         if want <= 0:
             return
         pool = table.pool
-        if job.idle and not self._room_for_reserve(want):
+        if job.idle and not self._room_for_reserve(want, job.upcoming):
             return  # pre-mapping waits for memory
         elif want > pool.free_count:
             events.ahead_skipped += 1
@@ -103,20 +115,20 @@ class MapAhead:
         if job.group_pad:
             events.group_pad_page_sets += want
 
-    def _room_for_reserve(self, want: int) -> bool:
+    def _room_for_reserve(self, want: int, upcoming: bool) -> bool:
         """Whether `want` more sets may join the reserve, making room when they can.
 
-        The reserve stays within reserve_limit; a free set stays for every running sequence's next
-        page; and the held sets stay within the most held so far (or the limit), so an idle cache
-        holds no more than its running peak. Within those, the reserve outranks the least recently
-        used cached chunks nobody maps: every admission draws on it, a chunk serves only a repeat
-        of its prefix. They are evicted for it."""
+        A free set stays for every running sequence's next page. Unless the sets back an
+        upcoming prompt, the reserve stays within reserve_limit and the held sets within the most
+        held so far (or the limit), so an idle cache holds no more than its running peak. Within
+        those, the reserve outranks the least recently used cached chunks nobody maps: every
+        admission draws on it, a chunk serves only a repeat of its prefix. They are evicted for it."""
         table, pool = self.table, self.table.pool
-        if table.reserve() + want > self.reserve_limit:
+        if not upcoming and table.reserve() + want > self.reserve_limit:
             return False
         running = sum(1 for s in table.slots if s.seq_id is not None)
         held = pool.num_sets - pool.free_count
-        ceiling = max(pool.peak_held, self.reserve_limit)
+        ceiling = pool.num_sets if upcoming else max(pool.peak_held, self.reserve_limit)
         short = max(want + running - pool.free_count, held + want - ceiling)
         if 0 < short <= (table.prefix.evictable_sets() if table.prefix is not None else 0):
             table.prefix.evict(short)

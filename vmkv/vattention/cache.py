@@ -40,7 +40,7 @@ from vmkv.dense.attention import attend_dense, check_attend_args
 from vmkv.dense.plan import DenseSlotPlan, decode_kernels, flash_usable, plan_step
 from vmkv.dense.sequences import DenseSlotSequences
 from vmkv.drivers import MemoryDriver
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, StepBatch
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, StepBatch, UpcomingPrompt
 from vmkv.vattention import swap
 from vmkv.vattention.ahead import MapAhead
 from vmkv.vattention.budget import size_cache
@@ -110,6 +110,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         self._backed: deque[int] = deque(maxlen=16)
         self._bursts: deque[int] = deque(maxlen=16)
         self._admitted = 0  # since the last prepare()
+        self._upcoming: list[int] = []  # lengths of the prompts the next step likely admits (expect)
         self._last_admit = time.monotonic()
         self.peaks = HeldPeaks()
         if self._premap:
@@ -271,6 +272,8 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             jobs = self._ahead.look_ahead(seqs)
             if padding and self._mapper is not None:
                 jobs += self._ahead.group_pad(batch, seqs, upcoming=1)
+            jobs += self._ahead.for_upcoming(self._upcoming)
+            self._upcoming = []
             admitted, self._admitted = self._admitted, 0
             if admitted:
                 self._bursts.append(admitted)
@@ -294,6 +297,23 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             self._mapper.submit(jobs)
         self.mapping.events.minor_faults += _minor_faults() - faults
         return plan
+
+    def expect(self, prompts: Sequence[UpcomingPrompt]) -> None:
+        """Remember the lengths of the prompts the next step likely admits, for prepare() to
+        queue their slots' mapping ahead of this step's compute. A prompt whose first chunk is
+        cached is left out: its admission takes the idle slot keeping the hit's pages, or the
+        emptiest, never a slot backed for it."""
+        if not self._premap or not (prompts or self._upcoming):
+            return
+        with self._lock:
+            self._upcoming = [len(p.token_ids) for p in prompts if not self._prefix_hit(p)]
+
+    def _prefix_hit(self, prompt: UpcomingPrompt) -> bool:
+        if self.prefix is None:
+            return False
+        identity = (self.model_id, prompt.cache_salt)
+        first = self.prefix.hashes(prompt.token_ids[: self.prefix.end(0)], identity, [])
+        return bool(self.prefix.match(prompt.token_ids, first, identity))
 
     def _premap_demand(self) -> tuple[int, int]:
         """Tokens and count of the idle slots to pre-map: the most prompt tokens a recent

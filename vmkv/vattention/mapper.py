@@ -20,6 +20,7 @@ class MapJob:
     target_tokens: int
     group_pad: bool = False  # surplus pages that let the slot join a batched decode call
     idle: bool = False  # pre-mapping an idle slot for the next admission (its generation is the idle one)
+    upcoming: bool = False  # that admission is a waiting prompt's the scheduler named (KVCache.expect)
 
 
 class BackgroundMapper:

@@ -50,13 +50,14 @@ class SlotTable:
         return [s for s in self.slots if s.seq_id is None]
 
     def pick(self, needed: int) -> Slot | None:
-        """An idle slot: the lowest with enough usable kept pages, else the one keeping the most."""
+        """An idle slot: the one with the fewest usable kept pages that are enough (the best fit,
+        so a slot backed for a longer upcoming prompt stays for it), else the one keeping the most."""
         idle = self.idle()
         if not idle:
             return None
         enough = [s for s in idle if self.usable(s) >= needed]
         if enough:
-            return enough[0]
+            return min(enough, key=lambda s: (self.usable(s), s.index))
         return min(idle, key=lambda s: (-self.usable(s), s.index))
 
     def usable(self, slot: Slot) -> int:
