@@ -309,11 +309,13 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             self._upcoming = [len(p.token_ids) for p in prompts if not self._prefix_hit(p)]
 
     def _prefix_hit(self, prompt: UpcomingPrompt) -> bool:
+        """Whether the prompt's first chunk hash is indexed (unverified, so no collision is
+        counted twice: a false hit only leaves the prompt to the reserve)."""
         if self.prefix is None:
             return False
         identity = (self.model_id, prompt.cache_salt)
         first = self.prefix.hashes(prompt.token_ids[: self.prefix.end(0)], identity, [])
-        return bool(self.prefix.match(prompt.token_ids, first, identity))
+        return bool(first) and first[0] in self.prefix.chunks
 
     def _premap_demand(self) -> tuple[int, int]:
         """Tokens and count of the idle slots to pre-map: the most prompt tokens a recent
