@@ -79,6 +79,8 @@ class MapAhead:
     def _back_idle(self, targets: list[int], upcoming: bool) -> list[MapJob]:
         """Back the idle slots keeping the most private pages to targets (largest first), each in
         pieces of PREMAP_PIECE pages, one job each, so the cache lock is free between them."""
+        if not targets:  # the common step: nothing waits, so no walk over the idle slots
+            return []
         private = [s for s in self.table.idle() if self.table.usable(s) == len(s.sets)]
         chosen = sorted(private, key=lambda s: (-len(s.sets), s.index))
         jobs = []
