@@ -16,6 +16,7 @@ from torch._dynamo.utils import compilation_time_metrics, counters
 from vmkv.engine import LLM, SamplingParams
 from vmkv.engine.compiled import WARMUP_TOKEN_COUNTS
 from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
+from vmkv.engine.rotary_hook import route_rotary_embedding
 from vmkv.model.store import load_tokenizer
 from vmkv.model.tiny import build_tiny_model
 
@@ -125,3 +126,44 @@ def test_a_compiler_failure_falls_back_to_eager_with_a_warning(
     out = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))[0]
     llm.close()
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_the_compiled_decoder_evaluates_the_rotary_embedding_once_per_step(
+    tiny_model_dir: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inlined by inductor, the rotary cos/sin were recomputed inside every layer's kernel; run
+    through `vmkv::rotary_embedding`, the model's own rotary forward runs once per forward."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    calls = []
+    original = LlamaRotaryEmbedding.forward
+
+    def counted(self: LlamaRotaryEmbedding, x: torch.Tensor, position_ids: torch.Tensor) -> object:
+        calls.append(position_ids.shape[-1])
+        return original(self, x, position_ids)
+
+    monkeypatch.setattr(LlamaRotaryEmbedding, "forward", counted)
+    llm = make_llm(tiny_model_dir, "paged", compile_model=True)
+    assert llm.engine.runner.compiled
+    calls.clear()
+    steps = llm.engine.num_steps
+    llm.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=4))
+    steps = llm.engine.num_steps - steps
+    llm.close()
+    assert len(calls) == steps > 0
+
+
+def test_a_decoder_without_a_cos_sin_rotary_module_keeps_its_own_forward() -> None:
+    class Plain(torch.nn.Module):
+        pass
+
+    class OneTensor(torch.nn.Module):
+        def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+            return position_ids.float()
+
+    odd = Plain()
+    odd.rotary_emb = OneTensor()
+    forward = odd.rotary_emb.forward
+    assert not route_rotary_embedding(Plain())
+    assert not route_rotary_embedding(odd)
+    assert odd.rotary_emb.forward == forward

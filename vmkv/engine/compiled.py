@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from vmkv.engine.attention_hook import step_context
+from vmkv.engine.rotary_hook import route_rotary_embedding
 
 if TYPE_CHECKING:
     from torch._dynamo.types import GuardFilterEntry
@@ -96,6 +97,7 @@ def compile_decoder(decoder: torch.nn.Module, device: torch.device) -> Callable[
     """Compile `decoder` and run the warm-up forwards; None (with a warning naming the cause)
     if torch.compile cannot handle it, so the caller keeps the eager decoder."""
     options = CPU_COMPILE_OPTIONS if device.type == "cpu" else COMPILE_OPTIONS
+    route_rotary_embedding(decoder)  # cos/sin once per forward, not in every layer's kernel
     compiled = torch.compile(
         _entry_point(decoder), dynamic=True, options={**options, "guard_filter_fn": _input_guards}
     )
