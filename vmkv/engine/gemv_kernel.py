@@ -68,6 +68,17 @@ SOURCE = r"""
 namespace {
 
 constexpr int64_t MAX_ROWS = 4;
+/* A decode step reads each weight once, so the kernel is a stream from memory, and two cores'
+   hardware prefetchers alone kept too few lines in flight. Asking for the line this many bytes
+   ahead into L2 (the same stream: rows are contiguous) read the default model's 30 layers and
+   vocabulary projection at 24.9 against 18.4 GB/s (AVX512-BF16 build; the AVX2 build 21.2
+   against 15.0), about a plain fp32 sum's rate, on a 2-core AMX Xeon; into L1, or 2 KiB ahead,
+   gained about half as much. Batch-1 decode went from 18.5 to 15.2 ms a token at 300 tokens. */
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+inline void prefetch_ahead(const uint16_t *p) {
+    _mm_prefetch(reinterpret_cast<const char *>(p) + PREFETCH_BYTES, _MM_HINT_T1);
+}
 
 #if defined(__AVX512BF16__)
 constexpr int64_t K_MULTIPLE = 32;
@@ -80,6 +91,8 @@ inline __m512 dot(const uint16_t *x, const uint16_t *w, int64_t k_len) {
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
         a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(x + k + 32),
                               (__m512bh)_mm512_loadu_si512(w + k + 32));
+        prefetch_ahead(w + k);
+        prefetch_ahead(w + k + 32);
     }
     if (k < k_len) /* k_len is a multiple of 32 */
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
@@ -148,6 +161,7 @@ void gemv_rows(const float *xs, const uint16_t *w, const uint16_t *bias, uint16_
             __m256 even[R], odd[R];
             for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
             for (int64_t k = 0; k < k_len; k += 16) {
+                if (k % 32 == 0) prefetch_ahead(row + k); /* one cache line */
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(row + k));
                 const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
                 const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
