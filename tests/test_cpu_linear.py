@@ -39,10 +39,10 @@ def test_the_bench_picks_bf16_where_decode_reads_bf16_weights() -> None:
     assert (linear_packing(EngineConfig(dtype="bfloat16")) == "fp32") is not native
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 64])
 def test_fp32_packed_linears_compute_what_a_bf16_gemm_computes(rows: int) -> None:
-    """Any CPU: up to four rows the GEMV kernel (AVX512-BF16 or AVX2, where it builds) reads
-    the bf16 weight; more go to oneDNN's fp32 GEMM of the same values."""
+    """Any CPU: up to gemv_kernel.max_rows() rows (6 with AVX512-BF16, 4 with AVX2) the GEMV
+    kernel reads the bf16 weight, where it builds; more go to oneDNN's fp32 GEMM of the same values."""
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(2500, 576, generator=gen).to(torch.bfloat16)
     bias = torch.randn(2500, generator=gen).to(torch.bfloat16)
@@ -58,7 +58,7 @@ def test_fp32_packed_linears_compute_what_a_bf16_gemm_computes(rows: int) -> Non
     # within one bf16 rounding of the exact sum (plus fp32 summation error) ...
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
     assert torch.equal(strided, got)
-    if rows > gemv_kernel.MAX_ROWS:  # ... and the fp32 GEMM's values exactly, but for the sum's order
+    if rows > gemv_kernel.max_rows():  # ... and the fp32 GEMM's values exactly, but for the sum's order
         assert (got == expected).float().mean() > 0.999
 
 
@@ -93,20 +93,22 @@ def test_native_linears_compute_what_a_bf16_gemm_computes() -> None:
 
 
 @pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="this CPU has no AVX512-BF16")
-def test_the_gemv_kernel_rounds_fp32_sums_once() -> None:
+@pytest.mark.parametrize("k_len", [576, 96])  # 96: a 32-element tail after the 64-element steps
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6])  # every row count the kernel is built for
+def test_the_gemv_kernel_rounds_fp32_sums_once(rows: int, k_len: int) -> None:
     if not gemv_kernel.register():
         pytest.skip("no C++ compiler")
-    gen = torch.Generator().manual_seed(1)
-    weight = torch.randn(1000, 576, generator=gen).to(torch.bfloat16)  # 1000: a partial last block
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(1000, k_len, generator=gen).to(torch.bfloat16)  # 1000: a partial last block
     bias = torch.randn(1000, generator=gen).to(torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-    x = torch.randn(3, 1152, generator=gen).to(torch.bfloat16)[:, :576]  # rows 1152 apart
+    x = torch.randn(rows, 2 * k_len, generator=gen).to(torch.bfloat16)[:, :k_len]  # rows 2 k_len apart
     exact = x.double() @ weight.double().t() + bias.double()
     got = torch.ops.vmkv.packed_linear(x, weight, packed, bias)
     # within one bf16 rounding of the exact sum (plus fp32 summation error)
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
     # more rows than the kernel takes: oneDNN's GEMM on the packed weight, torch's values exactly
-    many = torch.randn(2, 5, 576, generator=gen).to(torch.bfloat16)
+    many = torch.randn(2, 5, k_len, generator=gen).to(torch.bfloat16)
     assert torch.equal(
         torch.ops.vmkv.packed_linear(many, weight, packed, bias),
         torch.nn.functional.linear(many, weight, bias),
@@ -114,7 +116,7 @@ def test_the_gemv_kernel_rounds_fp32_sums_once() -> None:
 
 
 @pytest.mark.parametrize("packing", ["fp32", "onednn"])
-@pytest.mark.parametrize("rows", [1, 4, 5, 64])
+@pytest.mark.parametrize("rows", [1, 4, 5, 6, 7, 64])
 def test_packed_logits_are_the_linears_values_as_fp32(packing: str, rows: int) -> None:
     """The vocabulary projection's fp32 logits equal the linear's half-precision output widened,
     infinities and NaN included (the fp32 GEMM's output is rounded in place, not converted)."""
@@ -151,7 +153,7 @@ def test_linears_reading_one_input_run_as_one_call_with_the_same_outputs(
         monkeypatch.setattr(cpu_linear, "SHARED_INPUT_GROUPS", ())
         pack_linears(alone, "fp32")
         got, expected = grouped(ids).logits, alone(ids).logits
-    if tokens <= gemv_kernel.MAX_ROWS and gemv_kernel.register():
+    if tokens <= gemv_kernel.max_rows() and gemv_kernel.register():
         assert torch.equal(got, expected)  # the GEMV sums each output row alone: the same sums
     else:
         assert _close_in_bf16(got, expected)
