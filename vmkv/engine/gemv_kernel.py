@@ -336,7 +336,8 @@ def register() -> bool:
 
 
 def max_rows() -> int:
-    """Rows of x up to which packed_linear runs the GEMV on this CPU (0: never)."""
+    """Rows of x up to which packed_linear runs the GEMV on this CPU, where the kernel builds
+    (register() says whether it did); 0 where no build fits the CPU."""
     isa = gemv_isa()
     return MAX_ROWS[isa] if isa is not None else 0
 
