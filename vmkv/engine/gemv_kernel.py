@@ -117,6 +117,15 @@ inline void block_dots(const uint16_t *x, int64_t x_stride, const uint16_t *w, i
     }
 }
 
+/* block_dots for rows <= R, the row count a compile-time constant. */
+template <int R>
+inline void block_dots_upto(int64_t rows, const uint16_t *x, int64_t x_stride, const uint16_t *w,
+                            int64_t k_len, int64_t width, float sums[][BLOCK]) {
+    if constexpr (R > 1)
+        if (rows < R) return block_dots_upto<R - 1>(rows, x, x_stride, w, k_len, width, sums);
+    block_dots<R>(x, x_stride, w, k_len, width, sums);
+}
+
 /* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for m < rows <= MAX_ROWS; w row-major [n_len, k_len]. */
 void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t rows,
                int64_t n_len, int64_t k_len, int64_t x_stride) {
@@ -127,14 +136,7 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
             const __mmask16 mask = (__mmask16)((1u << width) - 1);
             const uint16_t *wb = w + n0 * k_len;
             float sums[MAX_ROWS][BLOCK] = {};
-            switch (rows) {
-                case 1: block_dots<1>(x, x_stride, wb, k_len, width, sums); break;
-                case 2: block_dots<2>(x, x_stride, wb, k_len, width, sums); break;
-                case 3: block_dots<3>(x, x_stride, wb, k_len, width, sums); break;
-                case 4: block_dots<4>(x, x_stride, wb, k_len, width, sums); break;
-                case 5: block_dots<5>(x, x_stride, wb, k_len, width, sums); break;
-                default: block_dots<6>(x, x_stride, wb, k_len, width, sums); break;
-            }
+            block_dots_upto<MAX_ROWS>(rows, x, x_stride, wb, k_len, width, sums);
             __m512 b = _mm512_setzero_ps();
             if (bias)
                 b = _mm512_castsi512_ps(
@@ -152,7 +154,8 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
    registers and only its 2 bytes cross the memory bus. x is split into its even and odd
    elements once per call to match. Products of bf16 values are exact in fp32; the sums are
    fp32 and the output is rounded once, as in the fp32 GEMM of the same values. */
-constexpr int64_t MAX_ROWS = MAX_ROWS_AVX2; /* gemv_rows<R> is instantiated for R <= 4 */
+constexpr int64_t MAX_ROWS = MAX_ROWS_AVX2;
+static_assert(MAX_ROWS == 4, "gemv_bf16 below dispatches gemv_rows<R> for R = 1..4");
 constexpr int64_t K_MULTIPLE = 16;
 
 inline float bf16_to_float(uint16_t h) {
