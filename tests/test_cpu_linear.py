@@ -39,10 +39,10 @@ def test_the_bench_picks_bf16_where_decode_reads_bf16_weights() -> None:
     assert (linear_packing(EngineConfig(dtype="bfloat16")) == "fp32") is not native
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 64])
 def test_fp32_packed_linears_compute_what_a_bf16_gemm_computes(rows: int) -> None:
-    """Any CPU: up to gemv_kernel.max_rows() rows (6 with AVX512-BF16, 4 with AVX2) the GEMV
-    kernel reads the bf16 weight, where it builds; more go to oneDNN's fp32 GEMM of the same values."""
+    """Any CPU: up to gemv_kernel.max_rows() rows (4 to 12 by CPU, MAX_ROWS) the GEMV kernel
+    reads the bf16 weight, where it builds; more go to oneDNN's fp32 GEMM of the same values."""
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(2500, 576, generator=gen).to(torch.bfloat16)
     bias = torch.randn(2500, generator=gen).to(torch.bfloat16)
@@ -62,6 +62,16 @@ def test_fp32_packed_linears_compute_what_a_bf16_gemm_computes(rows: int) -> Non
         assert (got == expected).float().mean() > 0.999
 
 
+def test_the_gemv_stops_at_fewer_rows_where_onednn_has_amx_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX makes oneDNN's GEMM faster than the GEMV from 7 rows; without it the GEMV wins to 12."""
+    monkeypatch.setattr(gemv_kernel, "gemv_isa", lambda: "avx512_bf16")
+    limits = {}
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        limits[amx] = gemv_kernel.max_rows()
+    assert limits == {True: 6, False: 12}
+
+
 def test_the_gemv_kernel_builds_where_the_cpu_and_a_compiler_allow() -> None:
     """A CPU with AVX2 (or AVX512-BF16) and a C++ compiler gets the C++ operator, not its
     Python fallback, which would read fp32 weights for every decode linear."""
@@ -78,7 +88,7 @@ def test_native_linears_compute_what_a_bf16_gemm_computes() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False)).to(
         torch.bfloat16
     )
-    x = torch.randn(2, 5, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, 7, 64, generator=gen).to(torch.bfloat16)  # 14 rows: more than any GEMV takes
     with torch.inference_mode():
         expected = model(x)
         first = model[0](x[0, :1])
@@ -86,7 +96,7 @@ def test_native_linears_compute_what_a_bf16_gemm_computes() -> None:
         got = model(x)
         strided = model(x.transpose(0, 1)).transpose(0, 1)
         few_rows = model[0](x[0, :1])
-    assert torch.equal(got, expected)  # 10 rows: oneDNN, prepacked
+    assert torch.equal(got, expected)  # oneDNN, prepacked
     assert torch.equal(strided, expected)
     # one row: the GEMV kernel where it runs, the same sums in another order
     assert torch.allclose(few_rows.float(), first.float(), rtol=2**-7, atol=1e-3)
@@ -94,7 +104,7 @@ def test_native_linears_compute_what_a_bf16_gemm_computes() -> None:
 
 @pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="this CPU has no AVX512-BF16")
 @pytest.mark.parametrize("k_len", [576, 96])  # 96: a 32-element tail after the 64-element steps
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6])  # every row count the kernel is built for
+@pytest.mark.parametrize("rows", range(1, max(gemv_kernel.MAX_ROWS.values()) + 1))  # any build's
 def test_the_gemv_kernel_rounds_fp32_sums_once(rows: int, k_len: int) -> None:
     if not gemv_kernel.register():
         pytest.skip("no C++ compiler")
@@ -108,7 +118,7 @@ def test_the_gemv_kernel_rounds_fp32_sums_once(rows: int, k_len: int) -> None:
     # within one bf16 rounding of the exact sum (plus fp32 summation error)
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
     # more rows than the kernel takes: oneDNN's GEMM on the packed weight, torch's values exactly
-    many = torch.randn(2, 5, k_len, generator=gen).to(torch.bfloat16)
+    many = torch.randn(2, 7, k_len, generator=gen).to(torch.bfloat16)  # 14 rows
     assert torch.equal(
         torch.ops.vmkv.packed_linear(many, weight, packed, bias),
         torch.nn.functional.linear(many, weight, bias),
@@ -116,7 +126,7 @@ def test_the_gemv_kernel_rounds_fp32_sums_once(rows: int, k_len: int) -> None:
 
 
 @pytest.mark.parametrize("packing", ["fp32", "onednn"])
-@pytest.mark.parametrize("rows", [1, 4, 5, 6, 7, 64])
+@pytest.mark.parametrize("rows", [1, 4, 5, 6, 7, 12, 13, 64])
 def test_packed_logits_are_the_linears_values_as_fp32(packing: str, rows: int) -> None:
     """The vocabulary projection's fp32 logits equal the linear's half-precision output widened,
     infinities and NaN included (the fp32 GEMM's output is rounded in place, not converted)."""
@@ -142,7 +152,7 @@ def _close_in_bf16(got: torch.Tensor, expected: torch.Tensor) -> bool:
     return torch.allclose(got.float(), expected.float(), rtol=2**-6, atol=2**-6 * float(expected.abs().max()))
 
 
-@pytest.mark.parametrize("tokens", [3, 10])  # the GEMV's rows, the GEMM's
+@pytest.mark.parametrize("tokens", [3, 13])  # the GEMV's rows, the GEMM's
 def test_linears_reading_one_input_run_as_one_call_with_the_same_outputs(
     monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, tokens: int
 ) -> None:

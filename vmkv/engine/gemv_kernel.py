@@ -45,11 +45,22 @@ from vmkv.native_build import build_failure, build_library
 
 log = logging.getLogger(__name__)
 
-# Rows of x up to which the GEMV runs, per build; more reuse each weight enough for the GEMM to
-# win. AVX512-BF16: over the default model's 30 layers of decode weights on a 2-core AMX Xeon,
-# the GEMV took 10.1 ms at 4 rows and 11.2 at 6 against oneDNN's 11.8 (which is level from 1 to
-# 8 rows), and 12.2 at 8 rows. AVX2 keeps its earlier limit of 4, not measured again since.
-MAX_ROWS = {"avx512_bf16": 6, "avx2": 4}
+# Rows of x up to which the GEMV runs, per CPU kind; more reuse each weight enough for the GEMM
+# to win. Timed over the default model's 30 layers of decode weights and vocabulary projection:
+# - AVX512-BF16 with AMX (Xeon): oneDNN's GEMM runs on AMX tiles and is level at 11.4-13.1 ms
+#   from 1 to 16 rows; the GEMV took 11.0 ms at 4 rows, 11.6 at 6 and 12.2 at 8.
+# - AVX512-BF16 without AMX (a 2-core Zen 4 EPYC): oneDNN took 12.7-15.7 ms at 4-10 rows and
+#   the GEMV 8.7-10.8; at 12 rows 14.4-15.4 against 16.5-16.7, at 13 about level (16.4-16.8
+#   against 17.4), at 14 slower (18.7-19.1 against 18.0-18.4).
+# - AVX2 keeps its earlier limit of 4, not measured again since.
+MAX_ROWS = {"avx512_bf16_amx": 6, "avx512_bf16": 12, "avx2": 4}
+
+
+def _row_limit_kind(isa: str) -> str:
+    """MAX_ROWS' key for a build on this CPU: whether oneDNN has AMX tiles moves the AVX512 limit."""
+    return f"{isa}_amx" if isa == "avx512_bf16" and torch.cpu._is_amx_tile_supported() else isa
+
+
 SCHEMA = "packed_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor"
 LOGITS_SCHEMA = "packed_logits(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor"  # fp32 out
 _FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared")
@@ -313,7 +324,7 @@ TORCH_LIBRARY_IMPL(vmkv, CompositeExplicitAutograd, m) {
 }
 """
 SOURCE = SOURCE.replace("LOGITS_SCHEMA", LOGITS_SCHEMA).replace("SCHEMA", SCHEMA)
-SOURCE = SOURCE.replace("MAX_ROWS_AVX512_BF16", str(MAX_ROWS["avx512_bf16"]))
+SOURCE = SOURCE.replace("MAX_ROWS_AVX512_BF16", str(MAX_ROWS[_row_limit_kind("avx512_bf16")]))
 SOURCE = SOURCE.replace("MAX_ROWS_AVX2", str(MAX_ROWS["avx2"]))
 
 
@@ -342,7 +353,7 @@ def max_rows() -> int:
     """Rows of x up to which packed_linear runs the GEMV on this CPU, where the kernel builds
     (register() says whether it did); 0 where no build fits the CPU."""
     isa = gemv_isa()
-    return MAX_ROWS[isa] if isa is not None else 0
+    return MAX_ROWS[_row_limit_kind(isa)] if isa is not None else 0
 
 
 def gemv_isa() -> str | None:
