@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 # to win. Timed over the default model's 30 layers of decode weights and vocabulary projection:
 # - AVX512-BF16 with AMX (Xeon): oneDNN's GEMM runs on AMX tiles and is level at 11.4-13.1 ms
 #   from 1 to 16 rows; the GEMV took 11.0 ms at 4 rows, 11.6 at 6 and 12.2 at 8.
-# - AVX512-BF16 without AMX (a 2-core Zen 4 EPYC): oneDNN took 12.7-15.7 ms at 4-10 rows and
-#   the GEMV 8.7-10.8; at 12 rows 14.4-15.4 against 16.5-16.7, at 13 about level (16.4-16.8
+# - AVX512-BF16 without AMX (a 2-core Zen 4 EPYC): oneDNN took 12.7-17.2 ms at 4-10 rows and
+#   the GEMV 8.7-12.2; at 12 rows 14.4-16.0 against 16.5-18.0, at 13 about level (16.4-16.8
 #   against 17.4), at 14 slower (18.7-19.1 against 18.0-18.4).
 # - AVX2 keeps its earlier limit of 4, not measured again since.
 MAX_ROWS = {"avx512_bf16_amx": 6, "avx512_bf16": 12, "avx2": 4}
