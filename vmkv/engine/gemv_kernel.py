@@ -56,9 +56,9 @@ log = logging.getLogger(__name__)
 MAX_ROWS = {"avx512_bf16_amx": 6, "avx512_bf16": 12, "avx2": 4}
 
 
-def _row_limit_kind(isa: str) -> str:
-    """MAX_ROWS' key for a build on this CPU: whether oneDNN has AMX tiles moves the AVX512 limit."""
-    return f"{isa}_amx" if isa == "avx512_bf16" and torch.cpu._is_amx_tile_supported() else isa
+def _row_limit(isa: str) -> int:
+    """MAX_ROWS for a build on this CPU: whether oneDNN has AMX tiles moves the AVX512 limit."""
+    return MAX_ROWS[f"{isa}_amx" if isa == "avx512_bf16" and torch.cpu._is_amx_tile_supported() else isa]
 
 
 SCHEMA = "packed_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor"
@@ -96,8 +96,9 @@ inline void prefetch_ahead(const uint16_t *p) {
     _mm_prefetch(reinterpret_cast<const char *>(p) + PREFETCH_BYTES, _MM_HINT_T1);
 }
 
+constexpr int64_t MAX_ROWS = GEMV_MAX_ROWS; /* defined at build: _row_limit() */
+
 #if defined(__AVX512BF16__)
-constexpr int64_t MAX_ROWS = MAX_ROWS_AVX512_BF16;
 constexpr int64_t K_MULTIPLE = 32;
 constexpr int64_t BLOCK = 16; /* output columns per work item: one masked 16-lane bf16 store */
 
@@ -167,7 +168,6 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
    registers and only its 2 bytes cross the memory bus. x is split into its even and odd
    elements once per call to match. Products of bf16 values are exact in fp32; the sums are
    fp32 and the output is rounded once, as in the fp32 GEMM of the same values. */
-constexpr int64_t MAX_ROWS = MAX_ROWS_AVX2;
 static_assert(MAX_ROWS == 4, "gemv_bf16 below dispatches gemv_rows<R> for R = 1..4");
 constexpr int64_t K_MULTIPLE = 16;
 
@@ -326,8 +326,6 @@ TORCH_LIBRARY_IMPL(vmkv, CompositeExplicitAutograd, m) {
 }
 """
 SOURCE = SOURCE.replace("LOGITS_SCHEMA", LOGITS_SCHEMA).replace("SCHEMA", SCHEMA)
-SOURCE = SOURCE.replace("MAX_ROWS_AVX512_BF16", str(MAX_ROWS[_row_limit_kind("avx512_bf16")]))
-SOURCE = SOURCE.replace("MAX_ROWS_AVX2", str(MAX_ROWS["avx2"]))
 
 
 _LIBRARIES: list[torch.library.Library] = []
@@ -355,7 +353,7 @@ def max_rows() -> int:
     """Rows of x up to which packed_linear runs the GEMV on this CPU, where the kernel builds
     (register() says whether it did); 0 where no build fits the CPU."""
     isa = gemv_isa()
-    return MAX_ROWS[_row_limit_kind(isa)] if isa is not None else 0
+    return _row_limit(isa) if isa is not None else 0
 
 
 def gemv_isa() -> str | None:
@@ -413,8 +411,7 @@ def _compile_command(isa: str, source: Path, target: Path) -> list[str]:
     torch_lib = Path(torch.__file__).parent / "lib"
     return [
         compiler,
-        *_FLAGS,
-        *_ISA_FLAGS[isa],
+        *_build_flags(isa),
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),
         f"-I{sysconfig.get_paths()['include']}",
@@ -428,7 +425,11 @@ def _compile_command(isa: str, source: Path, target: Path) -> list[str]:
     ]
 
 
+def _build_flags(isa: str) -> tuple[str, ...]:
+    return (*_FLAGS, *_ISA_FLAGS[isa], f"-DGEMV_MAX_ROWS={_row_limit(isa)}")
+
+
 def _build(isa: str) -> Path:
     """Compile the source, or reuse an earlier build of the same source, flags and torch."""
-    depends_on = [" ".join(_FLAGS + _ISA_FLAGS[isa]), torch.__version__]
+    depends_on = [" ".join(_build_flags(isa)), torch.__version__]
     return build_library("packed_linear", SOURCE, ".cpp", depends_on, partial(_compile_command, isa))
