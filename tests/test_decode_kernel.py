@@ -143,6 +143,28 @@ def test_large_scores_keep_the_running_maximum_exact(flags: tuple) -> None:
     _check(torch.bfloat16, 3, 3, 64, [1, 40, 300, 613], flags, q_scale=30.0)
 
 
+@pytest.mark.parametrize("locality", sorted(set(decode_kernel.PREFETCH_LOCALITY.values())))
+def test_every_prefetch_locality_builds_and_matches_reference(
+    locality: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefetching into L1 or L2 moves no result: each build checked on this CPU, whatever its
+    own kind picks."""
+    monkeypatch.setattr(decode_kernel, "prefetch_locality", lambda: locality)
+    _check(torch.bfloat16, 3, 3, 64, [1, 40, 300, 613], (), q_scale=30.0)
+
+
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "kind"),
+    [(True, True, "avx512_bf16_amx"), (False, True, "avx512_bf16"), (False, False, "other")],
+)
+def test_prefetch_locality_follows_the_cpu_kind(
+    amx: bool, avx512_bf16: bool, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert decode_kernel.prefetch_locality() == decode_kernel.PREFETCH_LOCALITY[kind]
+
+
 def test_kernel_refuses_a_plan_for_other_strides() -> None:
     kernel = _kernel(torch.float32, 1, 16, ())
     k = torch.zeros(2, 8, 1, 16)

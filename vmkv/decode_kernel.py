@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 
 _DTYPE_MACROS = {torch.bfloat16: "KV_BF16", torch.float16: "KV_F16", torch.float32: "KV_F32"}
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
+# Where the kernel's prefetches put K/V lines (PREFETCH_LOCALITY in the source), per CPU kind:
+# 2 is L2, 3 is L1. L2 read nearly twice as fast from memory on a Zen 4 EPYC (avx512_bf16 without
+# AMX; decode_kernel_source.py); on an AMX Xeon (compute-bound there) and an AVX2 Zen 3, L2 and L3
+# measured level or worse with the L1 prefetches (docs/vattention.md), so those keep L1.
+PREFETCH_LOCALITY = {"avx512_bf16_amx": 3, "avx512_bf16": 2, "other": 3}
 # Contexts are split over threads only when sequences are too few for the
 # cores, and never into pieces shorter than this (a piece's fixed cost is ~1 us).
 MIN_SPLIT_TOKENS = 256
@@ -162,6 +167,13 @@ class DecodeKernel:
 _loaded: dict[tuple, DecodeKernel | None] = {}
 
 
+def prefetch_locality() -> int:
+    """PREFETCH_LOCALITY for this CPU's kind."""
+    if torch.cpu._is_amx_tile_supported():
+        return PREFETCH_LOCALITY["avx512_bf16_amx"]
+    return PREFETCH_LOCALITY["avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "other"]
+
+
 def load_decode_kernel(
     dtype: torch.dtype, group: int, head_dim: int, extra_flags: tuple[str, ...] = ()
 ) -> DecodeKernel | None:
@@ -170,7 +182,8 @@ def load_decode_kernel(
 
     extra_flags reach the compiler (tests pass -mno-avx512f to run the AVX2 code path).
     """
-    key = (dtype, group, head_dim, extra_flags)
+    locality = prefetch_locality()
+    key = (dtype, group, head_dim, extra_flags, locality)
     if key in _loaded:
         return _loaded[key]
     kernel = None
@@ -178,6 +191,7 @@ def load_decode_kernel(
         log.warning("no CPU decode kernel for %s, group %d, head_dim %d; using torch", dtype, group, head_dim)
     else:
         defines = [f"-D{_DTYPE_MACROS[dtype]}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]
+        defines.append(f"-DPREFETCH_LOCALITY={locality}")
         flags = [*_FLAGS, *extra_flags, *defines]
         library = load_c_library("decode", SOURCE, flags, "CPU decode kernel unavailable, using torch")
         if library is not None:

@@ -364,7 +364,7 @@ static void write_out(kv_t* o, const partial_t* st) {
 /* Tokens in the tile starting at t of a range ending at t1. */
 static inline int tile_len(int64_t t, int64_t t1) { return t1 - t < V ? (int)(t1 - t) : V; }
 
-/* Rows are prefetched into L1 by a second cursor, one row for every row scored, so the misses
+/* Rows are prefetched by a second cursor, one row for every row scored, so the misses
    in flight stay level while the tile computes: a row's K lines PREFETCH_ROWS rows ahead of its
    scoring, and its V lines `lag` rows later (a ring keeps their offsets), since P V reads a
    tile's V one tile after scoring it. The lag is V rows where rows are scattered (layer-packed,
@@ -379,12 +379,20 @@ static inline int tile_len(int64_t t, int64_t t1) { return t1 - t < V ? (int)(t1
    0.53-0.66 against 0.51-0.54 ms per layer at 320 tokens token-major, 0.59-0.65 against
    0.53-0.54 layer-packed, 0.65-0.66 against 0.61 paged, 4.9 against 4.5 ms at 2,048
    layer-packed (bench_kernels.py). Head-major runs are prefetched too: there the hardware
-   prefetcher alone gave 0.80 against 0.52 ms at 320 tokens, 4.1 against 2.7 ms at 2,048. */
+   prefetcher alone gave 0.80 against 0.52 ms at 320 tokens, 4.1 against 2.7 ms at 2,048.
+   PREFETCH_LOCALITY (the build's -D, per CPU kind: decode_kernel.py) is where the lines go:
+   3 into L1 (prefetcht0), 2 into L2 (prefetcht1). On a 2-core Zen 4 EPYC the same level
+   prefetches into L2 read from memory nearly twice as fast at batch 64 (layer-packed 1.29-1.35
+   -> 0.72-0.73 ms per layer at 320 tokens, 8.2 -> 4.4-4.6 at 2,048; paged 1.34 -> 0.72-0.76;
+   head-major 0.77-0.80 -> 0.58-0.64, at the roofline at 2,048), as did a plain C walk of the
+   layer-packed rows (2,048 tokens: 5.7 -> 2.9 ms): L1's few miss buffers held the prefetches
+   back. One, three or four tiles ahead into L2 measured within 10% of two, none better on
+   every layout. */
 #define PREFETCH_ROWS (2 * V)
 typedef struct { cursor_t cursor; int64_t issued, count, lag; int64_t ring[2 * V]; } ahead_t;
 static inline void prefetch_lines(const kv_t* row) {
     for (int c = 0; c < (int)(HEAD_DIM * sizeof(kv_t)); c += 64)
-        __builtin_prefetch((const char*)row + c, 0, 3);
+        __builtin_prefetch((const char*)row + c, 0, PREFETCH_LOCALITY);
 }
 static inline void prefetch_row(ahead_t* a, const kv_t* kc, const kv_t* vc) {
     const int64_t i = a->issued++;
