@@ -383,11 +383,11 @@ static inline int tile_len(int64_t t, int64_t t1) { return t1 - t < V ? (int)(t1
    PREFETCH_LOCALITY (the build's -D, per CPU kind: decode_kernel.py) is where the lines go:
    3 into L1 (prefetcht0), 2 into L2 (prefetcht1). On a 2-core Zen 4 EPYC the same level
    prefetches into L2 read from memory nearly twice as fast at batch 64 (layer-packed 1.29-1.35
-   -> 0.72-0.73 ms per layer at 320 tokens, 8.2 -> 4.4-4.6 at 2,048; paged 1.34 -> 0.72-0.76;
-   head-major 0.77-0.80 -> 0.58-0.64, at the roofline at 2,048), as did a plain C walk of the
-   layer-packed rows (2,048 tokens: 5.7 -> 2.9 ms): L1's few miss buffers held the prefetches
-   back. One, three or four tiles ahead into L2 measured within 10% of two, none better on
-   every layout. */
+   -> 0.72-0.73 ms per layer at 320 tokens, 8.2 -> 4.4-4.6 at 2,048; paged 1.33-1.34 ->
+   0.72-0.76; head-major 0.77-0.80 -> 0.58-0.64, at the roofline at 2,048), as did a plain C
+   walk of the layer-packed rows (2,048 tokens: 5.4-5.7 -> 2.9 ms): L1's few miss buffers held
+   the prefetches back. One, three or four tiles ahead into L2 measured within 10% of two,
+   none better on every layout; a V lag of 0 or 8 rows, within 5% of V. */
 #define PREFETCH_ROWS (2 * V)
 typedef struct { cursor_t cursor; int64_t issued, count, lag; int64_t ring[2 * V]; } ahead_t;
 static inline void prefetch_lines(const kv_t* row) {
@@ -521,7 +521,8 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
    time at 2,048 tokens layer-packed and 1/0.95-0.96 token-major; level at 320 tokens and at
    batch 1 (its pieces are shorter than a chunk). Paged blocks were level (1/0.99-1.02): not
    chunked. Prefetching the other heads' lines into L2 during head 0's pass, with or without
-   chunks, was slower (1.01-1.09x). */
+   chunks, was slower (1.01-1.09x). On the Zen 4 EPYC with L2 prefetches (above), no chunks,
+   64 KiB and 1 MiB chunks measured within 5% of these, layer-packed and token-major. */
 #define CHUNK_BYTES (256 << 10)
 /* Fold a later range's softmax state into an earlier one's (element-wise, so in any
    accumulator order). */
