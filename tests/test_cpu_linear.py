@@ -1,6 +1,6 @@
 """Which GEMM a half-precision model's linears run on the CPU, that prepacked oneDNN GEMMs
-give the same values as plain ones, and that the GEMV kernel (AVX512-BF16 or AVX2) computes
-what a bf16 GEMM computes."""
+give the same values as plain ones, and that the GEMV kernel (AVX512-BF16 or AVX2) and the GEMM
+on weights in pairs (AVX512-BF16) compute what a bf16 GEMM computes."""
 
 from __future__ import annotations
 
@@ -18,16 +18,105 @@ from vmkv.engine.cpu_linear import linear_packing, pack_linears
 from vmkv.model.store import load_model
 
 
+@pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("native", [False, True])
 def test_native_bf16_cpus_get_packed_gemms_and_the_others_fp32_ones(
-    monkeypatch: pytest.MonkeyPatch, native: bool
+    monkeypatch: pytest.MonkeyPatch, native: bool, pairs: bool
 ) -> None:
     monkeypatch.setattr(cpu_linear, "has_native_half_gemm", lambda dtype: native)
-    assert linear_packing(EngineConfig(dtype="bfloat16")) == ("onednn" if native else "fp32")
+    monkeypatch.setattr(gemv_kernel, "pairs_gemm", lambda: pairs)
+    packed = ("pairs" if pairs else "onednn") if native else "fp32"
+    assert linear_packing(EngineConfig(dtype="bfloat16")) == packed
+    assert linear_packing(EngineConfig(dtype="float16")) == ("onednn" if native else "fp32")  # pairs: bf16
     assert linear_packing(EngineConfig(dtype="float32")) is None  # fp32 models are left alone
     assert linear_packing(EngineConfig(dtype="bfloat16", fp32_gemm=True)) == "fp32"
     # torch's own bf16 GEMM where forced and not native
-    assert linear_packing(EngineConfig(dtype="bfloat16", fp32_gemm=False)) == ("onednn" if native else None)
+    assert linear_packing(EngineConfig(dtype="bfloat16", fp32_gemm=False)) == (packed if native else None)
+
+
+def test_pairs_are_the_gemm_of_avx512_bf16_cpus_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX oneDNN's GEMM runs on its tiles; without AVX512-BF16 there is no pairs kernel."""
+    monkeypatch.setattr(gemv_kernel, "register", lambda: True)
+    for isa, amx, expected in [
+        ("avx512_bf16", False, True),
+        ("avx512_bf16", True, False),
+        ("avx2", False, False),
+    ]:
+        monkeypatch.setattr(gemv_kernel, "gemv_isa", lambda isa=isa: isa)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert gemv_kernel.pairs_gemm() is expected, (isa, amx)
+
+
+def test_a_weight_in_pairs_holds_each_column_s_k_pairs_in_panels() -> None:
+    weight = torch.arange(50 * 6, dtype=torch.float32).view(50, 6).to(torch.bfloat16)
+    pairs = gemv_kernel.in_pairs(weight)
+    panel = gemv_kernel.PAIRS_PANEL
+    assert pairs.shape == (2, 3, panel, 2)  # 50 columns: a second panel, partly zeros
+    for n, k in [(0, 0), (0, 5), (31, 2), (32, 3), (49, 5)]:
+        assert pairs[n // panel, k // 2, n % panel, k % 2] == weight[n, k]
+    assert not pairs[1, :, 50 - panel :].any()
+
+
+def test_python_fallback_computes_linears_whose_weight_is_in_pairs() -> None:
+    """Where the C++ operator is missing, its Python stand-in still gives the linear's values."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    got = gemv_kernel._python_linear(x, weight, gemv_kernel.in_pairs(weight), None)
+    assert torch.equal(got, torch.nn.functional.linear(x, weight))
+
+
+def _pairs_gemm_or_skip() -> None:
+    if not gemv_kernel.pairs_gemm():
+        pytest.skip("no GEMM on weights in pairs here (needs AVX512-BF16 without AMX, and a C++ compiler)")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 37, 64, 300])
+def test_linears_in_pairs_round_fp32_sums_once(rows: int) -> None:
+    """Every row count (decode and prefill) runs the pairs GEMM: within one bf16 rounding of the
+    exact sum, and oneDNN's bf16 GEMM's values but for a rare last-bit difference of sum order."""
+    _pairs_gemm_or_skip()
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(2500, 576, generator=gen).to(torch.bfloat16)  # 2500: a partial last panel
+    bias = torch.randn(2500, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 1152, generator=gen).to(torch.bfloat16)[:, :576]  # rows 1152 apart
+    linear = torch.nn.Linear(576, 2500).to(torch.bfloat16)
+    linear.weight.data, linear.bias.data = weight, bias
+    with torch.inference_mode():
+        pack_linears(linear, "pairs")
+        got = linear(x)
+        strided = linear(x[:, None].transpose(0, 1)).transpose(0, 1)[:, 0]
+        logits = cpu_linear.packed_logits(linear, x)
+    assert linear.packed_weight.dim() == 4
+    exact = x.double() @ weight.double().t() + bias.double()
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+    assert torch.equal(strided, got)
+    assert torch.equal(logits, got.float())
+    onednn = torch.ops.mkldnn._linear_pointwise(
+        x, torch.ops.mkldnn._reorder_linear_weight(weight), bias, "none", [], ""
+    )
+    assert (got == onednn).float().mean() > 0.999
+
+
+def test_an_odd_input_width_keeps_onednn_s_form_under_pairs() -> None:
+    _pairs_gemm_or_skip()
+    linear = torch.nn.Linear(575, 40).to(torch.bfloat16)
+    x = torch.randn(3, 575).to(torch.bfloat16)
+    with torch.inference_mode():
+        expected = linear(x)
+        pack_linears(linear, "pairs")
+        got = linear(x)
+    assert linear.packed_weight.dim() != 4
+    assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_a_wrong_input_width_for_a_weight_in_pairs_is_a_clear_error() -> None:
+    _pairs_gemm_or_skip()
+    weight = torch.randn(40, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="does not match the weight in pairs"):
+        torch.ops.vmkv.packed_linear(
+            torch.randn(2, 32).to(torch.bfloat16), weight, gemv_kernel.in_pairs(weight), None
+        )
 
 
 def test_the_bench_picks_bf16_where_decode_reads_bf16_weights() -> None:
@@ -125,13 +214,15 @@ def test_the_gemv_kernel_rounds_fp32_sums_once(rows: int, k_len: int) -> None:
     )
 
 
-@pytest.mark.parametrize("packing", ["fp32", "onednn"])
+@pytest.mark.parametrize("packing", ["fp32", "onednn", "pairs"])
 @pytest.mark.parametrize("rows", [1, 4, 5, 6, 7, 12, 13, 64])
 def test_packed_logits_are_the_linears_values_as_fp32(packing: str, rows: int) -> None:
     """The vocabulary projection's fp32 logits equal the linear's half-precision output widened,
     infinities and NaN included (the fp32 GEMM's output is rounded in place, not converted)."""
     if packing == "onednn" and not cpu_linear.has_native_half_gemm(torch.bfloat16):
         pytest.skip("this CPU has no native bf16 GEMM")
+    if packing == "pairs":
+        _pairs_gemm_or_skip()
     gen = torch.Generator().manual_seed(rows)
     linear = torch.nn.Linear(576, 1000, bias=False).to(torch.bfloat16)
     linear.weight.data = torch.randn(1000, 576, generator=gen).to(torch.bfloat16)

@@ -6,7 +6,12 @@ Every half-precision Linear on the CPU becomes one call of the C++ operator
 GEMV kernel streams for calls of a few rows (decode), and `packed`, which the GEMM for more
 rows reads, prepared once at load (`linear_packing` says which):
 
-- "onednn", with native bf16/fp16 instructions (AVX512-BF16 or AMX for bf16): oneDNN's
+- "pairs", for bf16 on AVX512-BF16 CPUs without AMX: the weight in column panels of bf16 pairs,
+  read by vmkv's own GEMM (gemv_kernel.py) for every row count, decode and prefill. On a 2-core
+  Zen 4 EPYC, over the default model's 30 layers of linear weights (from memory, as in a step;
+  benchmarks/bench_gemm.py), it took 0.5-0.6x the time of the GEMV at 1-12 rows (it reaches the
+  memory bandwidth the GEMV does not), 0.55-0.8x oneDNN's at 8-64 rows and 0.8-0.9x at 128-2,048.
+- "onednn", with native bf16/fp16 instructions otherwise (AMX, or fp16): oneDNN's
   prepacked layout. oneDNN's plain path re-lays the weight out on every call: prepacked, a
   batch-1 [1, 576] x [576, 1536] bf16 GEMM took 144 µs against 242 µs on one core of an
   AVX512-BF16 EPYC, and the 49,152-row vocabulary projection 4.2 ms against 6.8 ms, with
@@ -36,7 +41,7 @@ from vmkv.engine.config import EngineConfig
 
 
 def linear_packing(config: EngineConfig) -> str | None:
-    """ "onednn", "fp32" or None (plain torch Linears): see the module's docstring.
+    """ "pairs", "onednn", "fp32" or None (plain torch Linears): see the module's docstring.
     config.fp32_gemm forces "fp32" (True), or torch's own half-precision GEMM where the CPU has
     no native one (False)."""
     if config.torch_dtype == torch.float32 or torch.device(config.device).type != "cpu":
@@ -44,7 +49,9 @@ def linear_packing(config: EngineConfig) -> str | None:
     native = has_native_half_gemm(config.torch_dtype)
     if config.fp32_gemm if config.fp32_gemm is not None else not native:
         return "fp32"
-    return "onednn" if native else None
+    if not native:
+        return None
+    return "pairs" if config.torch_dtype == torch.bfloat16 and gemv_kernel.pairs_gemm() else "onednn"
 
 
 def has_native_half_gemm(dtype: torch.dtype) -> bool:
@@ -93,6 +100,8 @@ def _half_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 
 def _packed(weight: torch.Tensor, packing: str) -> torch.Tensor:
+    if packing == "pairs" and weight.shape[1] % 2 == 0:  # an odd input width keeps oneDNN's form
+        return gemv_kernel.in_pairs(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.float() if packing == "fp32" else weight)
 
 

@@ -140,6 +140,84 @@ inline void block_dots_upto(int64_t rows, const uint16_t *x, int64_t x_stride, c
     block_dots<R>(x, x_stride, w, k_len, width, sums);
 }
 
+/* The GEMM on weights in pairs (the "pairs" packing, cpu_linear.py): w as [ceil(n / PANEL)]
+   [k / 2][PANEL][2], so a panel of PANEL output columns is one stream and each 32-bit word holds
+   two consecutive k of one column. One vdpbf16ps multiplies a column pair vector by a broadcast
+   pair of x and adds both products into 16 fp32 sums, with no horizontal sums at the end. A
+   register block is PANEL_ROWS rows x 2 vectors (24 accumulators of 32); a thread takes whole
+   panels, so a panel's weights come from memory once per call and from L1/L2 for the other
+   row blocks. */
+constexpr int64_t PANEL = 32;
+constexpr int PANEL_ROWS = 12;
+
+/* Rows [0, R) of x against one panel: out[r][c] = sum_k x[r, k] * w[c, k] (fp32). */
+template <int R>
+inline void panel_block(const uint16_t *x, int64_t x_stride, const uint16_t *panel, int64_t pairs,
+                        __m512 acc[][2]) {
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL + 32);
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * x_stride + 2 * p, sizeof pair);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+        }
+    }
+}
+
+template <int R>
+inline void panel_block_upto(int rows, const uint16_t *x, int64_t x_stride, const uint16_t *panel,
+                             int64_t pairs, __m512 acc[][2]) {
+    if constexpr (R > 1)
+        if (rows < R) return panel_block_upto<R - 1>(rows, x, x_stride, panel, pairs, acc);
+    panel_block<R>(x, x_stride, panel, pairs, acc);
+}
+
+/* 16 sums plus bias, rounded once to bf16, stored at y[at, at + 16) under mask: as bf16, or as
+   those values in fp32 */
+inline void store_sums(void *y, bool fp32_out, int64_t at, __mmask16 mask, __m512 sums, __m512 bias) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums, bias));
+    if (fp32_out)
+        _mm512_mask_storeu_ps(static_cast<float *>(y) + at, mask,
+                              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    else
+        _mm256_mask_storeu_epi16(static_cast<uint16_t *>(y) + at, mask, h);
+}
+
+/* y = x @ w.T + bias, rounded once to bf16; stored as bf16, or as those values in fp32 (logits).
+   x [rows, k] with row stride x_stride, k even; w in pairs for n columns. */
+void gemm_pairs(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *y, bool fp32_out,
+                int64_t rows, int64_t n_len, int64_t k_len, int64_t x_stride) {
+    const int64_t pairs = k_len / 2, panels = (n_len + PANEL - 1) / PANEL;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; b++) {
+            const uint16_t *panel = w + b * pairs * 2 * PANEL;
+            const int64_t n0 = b * PANEL;
+            __m512 add[2];
+            __mmask16 mask[2];
+            for (int j = 0; j < 2; j++) {
+                const int64_t c0 = n0 + 16 * j, left = n_len - c0;
+                const int64_t width = left < 0 ? 0 : (left < 16 ? left : 16);
+                mask[j] = (__mmask16)((1u << width) - 1);
+                add[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask[j], bias + c0)), 16))
+                              : _mm512_setzero_ps();
+            }
+            for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROWS) {
+                const int block = rows - r0 < PANEL_ROWS ? (int)(rows - r0) : PANEL_ROWS;
+                __m512 acc[PANEL_ROWS][2];
+                panel_block_upto<PANEL_ROWS>(block, x + r0 * x_stride, x_stride, panel, pairs, acc);
+                for (int r = 0; r < block; r++)
+                    for (int j = 0; j < 2; j++)
+                        store_sums(y, fp32_out, (r0 + r) * n_len + n0 + 16 * j, mask[j], acc[r][j], add[j]);
+            }
+        }
+    });
+}
+
 /* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for m < rows <= MAX_ROWS; w row-major [n_len, k_len]. */
 void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t rows,
                int64_t n_len, int64_t k_len, int64_t x_stride) {
@@ -277,10 +355,41 @@ bool gemv_takes(const at::Tensor &x, const at::Tensor &weight, const OptionalTen
            (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()));
 }
 
+/* x [..., K] @ w.T (+ bias) with w in pairs [ceil(N / PANEL), K / 2, PANEL, 2] (cpu_linear.py packs
+   it only where this build has the kernel: AVX512-BF16). */
+at::Tensor pairs_linear(const at::Tensor &x, const at::Tensor &packed, const OptionalTensor &bias,
+                        int64_t n_len, bool fp32_out) {
+#if defined(__AVX512BF16__)
+    const int64_t k_len = x.size(-1);
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+                "weights in pairs take bf16 inputs, got ", x.scalar_type());
+    TORCH_CHECK(packed.size(1) * 2 == k_len && packed.size(2) == PANEL && packed.size(0) * PANEL >= n_len,
+                "x's last dimension (", k_len, ") does not match the weight in pairs ", packed.sizes());
+    TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()),
+                "the bias of a weight in pairs must be contiguous bf16");
+    at::Tensor rows = x.reshape({-1, k_len});
+    if (rows.stride(1) != 1) rows = rows.contiguous();
+    const at::Tensor w = packed.contiguous();
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = n_len;
+    at::Tensor out = at::empty(sizes, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16)
+                                          .memory_format(at::MemoryFormat::Contiguous));
+    if (rows.size(0) == 0) return out;
+    gemm_pairs(static_cast<const uint16_t *>(rows.const_data_ptr()),
+               static_cast<const uint16_t *>(w.const_data_ptr()),
+               bias ? static_cast<const uint16_t *>(bias->const_data_ptr()) : nullptr, out.mutable_data_ptr(),
+               fp32_out, rows.size(0), n_len, k_len, rows.size(0) > 1 ? rows.stride(0) : k_len);
+    return out;
+#else
+    TORCH_CHECK(false, "weights in pairs need the AVX512-BF16 build of this operator");
+#endif
+}
+
 /* x [..., K] (any strides) @ weight [N, K].T (+ bias) -> [..., N]. packed: oneDNN's layout of
    weight, or weight in fp32 where the CPU has no native half-precision GEMM. */
 at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
                          const OptionalTensor &bias) {
+    if (packed.dim() == 4) return pairs_linear(x, packed, bias, weight.size(0), false);
     if (!gemv_takes(x, weight, bias)) {
         if (packed.scalar_type() == at::kFloat) return fp32_linear(x, packed, bias);
         return onednn_linear(x, packed, bias);
@@ -305,6 +414,7 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &weight, const at
    on a 2-core AVX2 EPYC those two conversions took ~4 ms each (torch.profiler). */
 at::Tensor packed_logits(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
                          const OptionalTensor &bias) {
+    if (packed.dim() == 4) return pairs_linear(x, packed, bias, weight.size(0), true);
     const bool fp32_bf16 = packed.scalar_type() == at::kFloat && x.scalar_type() == at::kBFloat16;
     if (fp32_bf16 && !gemv_takes(x, weight, bias)) {
         at::Tensor out = fp32_gemm(x, packed, bias).contiguous();
@@ -349,6 +459,24 @@ def register() -> bool:
     return native
 
 
+# output columns per panel of a weight in pairs (PANEL in the source)
+PAIRS_PANEL = 32
+
+
+def pairs_gemm() -> bool:
+    """Whether linears run the GEMM on weights in pairs here: bf16 on AVX512-BF16 without AMX,
+    where the kernel builds. With AMX, oneDNN's GEMM runs on its tiles (not compared here)."""
+    return gemv_isa() == "avx512_bf16" and not torch.cpu._is_amx_tile_supported() and register()
+
+
+def in_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (K even) as [ceil(N / PAIRS_PANEL), K / 2, PAIRS_PANEL, 2]: panels of output
+    columns, each k pair of a column one 32-bit word; columns past N are zeros."""
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, -n % PAIRS_PANEL))
+    return padded.view(-1, PAIRS_PANEL, k // 2, 2).transpose(1, 2).contiguous()
+
+
 def max_rows() -> int:
     """Rows of x up to which packed_linear runs the GEMV on this CPU, where the kernel builds
     (register() says whether it did); 0 where no build fits the CPU."""
@@ -369,6 +497,8 @@ def gemv_isa() -> str | None:
 def _python_linear(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    if packed.dim() == 4:  # weights in pairs: only packed where the C++ kernel runs
+        return torch.nn.functional.linear(x, weight, bias)
     if packed.dtype == torch.float32:  # the C++ operator's fp32_linear
         fp32_bias = None if bias is None else bias.float()
         return torch.ops.mkldnn._linear_pointwise(x.float(), packed, fp32_bias, "none", [], "").to(x.dtype)
