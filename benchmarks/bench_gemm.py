@@ -4,7 +4,8 @@
    without) against the fp32 GEMM of the same values;
 2. the default model's linears as a step runs them: 30 layers of its weight shapes (q/k/v and
    gate/up fused, as cpu_linear.py groups them) and the vocabulary projection, from memory (the
-   weights are ~8x the L3), through `vmkv::packed_linear` with each packing this CPU offers:
+   ~270 MB of bf16 weights; the projection on at most 64 rows, those a step samples), through
+   `vmkv::packed_linear` with each packing this CPU offers:
    "pairs" (vmkv's GEMM), "onednn" (oneDNN's prepacked GEMM, the GEMV up to its row limit) and
    "fp32".
 
@@ -29,6 +30,7 @@ HIDDEN, INTERMEDIATE = 576, 1536  # SmolLM2-135M's MLP up-projection
 # the default model's linears per layer as cpu_linear.py runs them: (out, in) features
 LAYER_SHAPES = ((960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
 LAYERS, VOCAB = 30, 49152
+SAMPLED_ROWS = 64  # the vocabulary projection's rows: one per sequence sampled (a prefill samples one)
 
 
 def median_ms(fn: object, rounds: int) -> float:
@@ -65,7 +67,7 @@ def packings() -> list[str]:
 def model_table(rows_list: list[int], rounds: int) -> None:
     names = packings()
     models = {name: model_linears(name) for name in names}
-    flops_per_row = 2 * (LAYERS * sum(o * i for o, i in LAYER_SHAPES) + VOCAB * HIDDEN)
+    layer_flops, logit_flops = 2 * LAYERS * sum(o * i for o, i in LAYER_SHAPES), 2 * VOCAB * HIDDEN
     print(f"\nThe default model's linears and vocabulary projection, one step's calls ({LAYERS} layers):")
     for rows in rows_list:
         x = {i: torch.randn(rows, i).to(torch.bfloat16) for i in (HIDDEN, INTERMEDIATE)}
@@ -73,7 +75,7 @@ def model_table(rows_list: list[int], rounds: int) -> None:
         def step(layers: list[torch.nn.Linear], lm_head: torch.nn.Linear, x: dict = x) -> None:
             for module in layers:
                 module(x[module.in_features])
-            packed_logits(lm_head, x[HIDDEN])
+            packed_logits(lm_head, x[HIDDEN][:SAMPLED_ROWS])
 
         times: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(rounds):
@@ -82,9 +84,8 @@ def model_table(rows_list: list[int], rounds: int) -> None:
                 step(*models[name])
                 times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        cells = [
-            f"{name} {t:7.2f} ms ({flops_per_row * rows / t / 1e6:4.0f} GFLOP/s)" for name, t in ms.items()
-        ]
+        flops = layer_flops * rows + logit_flops * min(rows, SAMPLED_ROWS)
+        cells = [f"{name} {t:7.2f} ms ({flops / t / 1e6:4.0f} GFLOP/s)" for name, t in ms.items()]
         if len(names) > 1:
             cells.append(f"{names[0]} / {names[1]} = {ms[names[0]] / ms[names[1]]:.2f}")
         print(f"{rows:5d} rows: " + ", ".join(cells))

@@ -1,12 +1,14 @@
 """`vmkv::packed_linear`, a half-precision CPU linear as one C++ torch operator, with a bf16
-matrix-vector kernel for decode steps of a few rows (and `vmkv::packed_logits`, the same
-values as fp32, for the vocabulary projection).
+matrix-vector kernel for decode steps of a few rows and a bf16 GEMM on weights in pairs (and
+`vmkv::packed_logits`, the same values as fp32, for the vocabulary projection).
 
 At one to a few rows a linear layer is a pass over its weight, so its speed is the memory
 bandwidth it reaches. The kernel streams the original row-major bf16 weight once, one row at
 a time, into fp32 sums, adds the bias in fp32 and rounds once to bf16, so it computes what a
 bf16 GEMM computes, summed in another order. Output columns are split over torch's threads.
-More rows go to a GEMM on `packed`, the weight prepared at load (cpu_linear.py). Two builds:
+More rows go to a GEMM on `packed`, the weight prepared at load (cpu_linear.py). Where `packed`
+is the weight in pairs (4-D, `in_pairs`), every row count runs this file's GEMM on it instead:
+the "pairs" packing of AVX512-BF16 CPUs without AMX (gemm_pairs in the source). Two builds:
 
 - AVX512-BF16: `vdpbf16ps` on the raw bf16 values; `packed` is oneDNN's layout of the weight.
   oneDNN (prepacked) read a [1536, 576] bf16 weight at 12 GB/s on one core of an AVX512-BF16
