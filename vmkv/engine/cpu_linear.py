@@ -8,9 +8,10 @@ rows reads, prepared once at load (`linear_packing` says which):
 
 - "pairs", for bf16 on AVX512-BF16 CPUs without AMX: the weight in column panels of bf16 pairs,
   read by vmkv's own GEMM (gemv_kernel.py) for every row count, decode and prefill. On a 2-core
-  Zen 4 EPYC, over the default model's 30 layers of linear weights (from memory, as in a step;
-  benchmarks/bench_gemm.py), it took 0.5-0.6x the time of the GEMV at 1-12 rows (it reaches the
-  memory bandwidth the GEMV does not), 0.55-0.8x oneDNN's at 8-64 rows and 0.8-0.9x at 128-2,048.
+  Zen 4 EPYC, over the default model's 30 layers of linears and its vocabulary projection (from
+  memory, as in a step; benchmarks/bench_gemm.py) it took, against oneDNN with the GEMV up to 12
+  rows: 1.00x at 1 row, 0.93-0.96x at 4-8, 0.71-0.81x at 12-32, 0.90x at 64, 0.98-0.99x at
+  256-1,024. It takes the place of oneDNN's packed copy: no more memory.
 - "onednn", with native bf16/fp16 instructions otherwise (AMX, or fp16): oneDNN's
   prepacked layout. oneDNN's plain path re-lays the weight out on every call: prepacked, a
   batch-1 [1, 576] x [576, 1536] bf16 GEMM took 144 µs against 242 µs on one core of an
