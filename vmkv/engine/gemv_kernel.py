@@ -178,13 +178,17 @@ inline void panel_block_upto(int rows, const uint16_t *x, int64_t x_stride, cons
     panel_block<R>(x, x_stride, panel, pairs, acc);
 }
 
+/* 16 bf16 values as fp32 (a bf16 is the high half of its fp32). */
+inline __m512 widen_bf16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* 16 sums plus bias, rounded once to bf16, stored at y[at, at + 16) under mask: as bf16, or as
    those values in fp32 */
 inline void store_sums(void *y, bool fp32_out, int64_t at, __mmask16 mask, __m512 sums, __m512 bias) {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums, bias));
     if (fp32_out)
-        _mm512_mask_storeu_ps(static_cast<float *>(y) + at, mask,
-                              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        _mm512_mask_storeu_ps(static_cast<float *>(y) + at, mask, widen_bf16(h));
     else
         _mm256_mask_storeu_epi16(static_cast<uint16_t *>(y) + at, mask, h);
 }
@@ -204,9 +208,8 @@ void gemm_pairs(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void
                 const int64_t c0 = n0 + 16 * j, left = n_len - c0;
                 const int64_t width = left < 0 ? 0 : (left < 16 ? left : 16);
                 mask[j] = (__mmask16)((1u << width) - 1);
-                add[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask[j], bias + c0)), 16))
-                              : _mm512_setzero_ps();
+                add[j] = _mm512_setzero_ps();
+                if (bias) add[j] = widen_bf16(_mm256_maskz_loadu_epi16(mask[j], bias + c0));
             }
             for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROWS) {
                 const int block = rows - r0 < PANEL_ROWS ? (int)(rows - r0) : PANEL_ROWS;
@@ -232,9 +235,7 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
             float sums[MAX_ROWS][BLOCK] = {};
             block_dots_upto<MAX_ROWS>(rows, x, x_stride, wb, k_len, width, sums);
             __m512 b = _mm512_setzero_ps();
-            if (bias)
-                b = _mm512_castsi512_ps(
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+            if (bias) b = widen_bf16(_mm256_maskz_loadu_epi16(mask, bias + n0));
             for (int64_t m = 0; m < rows; m++) {
                 const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums[m]), b);
                 _mm256_mask_storeu_epi16(y + m * n_len + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
