@@ -38,6 +38,7 @@ class Slot:
     generation: int = 0  # bumped whenever the owner changes; stale mapper jobs compare it
     pinned: int = 0  # pages the current step's plan reads; never reclaimed under it
     idle_since: float = 0.0  # monotonic seconds when it last fell idle or was pre-mapped (trimming's clock)
+    usable: tuple[tuple[int, int], int] = ((-1, 0), 0)  # SlotTable.usable's last answer, and its key
 
 
 @dataclass

@@ -32,7 +32,9 @@ class PageSetPool:
         # took a third of the mapper thread's samples once thousands of chunks were cached
         self._indexed = [False] * self.num_sets
         self.index_only = 0
-        self.version = 0  # bumped by every take, share and release: what holds which set changed
+        # bumped whenever a set becomes or stops being shared (held twice or more): what decides
+        # whether an idle slot's kept pages may be rewritten (SlotTable.usable)
+        self.sharing = 0
         self.peak_held = 0  # most sets held at once
         self._resident = np.zeros(self.num_sets, dtype=bool)  # taken since its memory last went back
         self._freed_at = np.zeros(self.num_sets)  # monotonic seconds it last became free
@@ -66,7 +68,6 @@ class PageSetPool:
             out.append(want)
             want = (want + 1) % self.num_sets
         self._free_count -= n
-        self.version += 1
         self.peak_held = max(self.peak_held, self.num_sets - self._free_count)
         return out
 
@@ -101,17 +102,17 @@ class PageSetPool:
         self.refcount[set_id] += 1
         self._indexed[set_id] |= index
         self.index_only += self._index_only(set_id) - sole
-        self.version += 1
+        self.sharing += 1  # a held set gains a holder: shared now
 
     def release(self, set_id: int, index: bool = False) -> None:
         """One holder (with index: the prefix index) let go of this set; the last one returns it
         to the free list."""
         sole = self._index_only(set_id)
+        self.sharing += self.refcount[set_id] > 1  # it was shared
         self.refcount[set_id] -= 1
         if index:
             self._indexed[set_id] = False
         self.index_only += self._index_only(set_id) - sole
-        self.version += 1
         if self.refcount[set_id] == 0:
             self._freed_at[set_id] = time.monotonic()
             self._free[set_id] = True

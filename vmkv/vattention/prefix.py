@@ -189,18 +189,21 @@ class PrefixIndex:
         """Give up least recently used evictable chunks until n sets are free (or, with
         idle_before, only chunks unused since then); returns the sets freed (a set some slot
         still maps stays with it and is not counted)."""
-        freed: list[int] = []
-        for chunk in list(self.chunks.values()):
-            if len(freed) >= n:
-                break
-            if idle_before is not None and chunk.last_used > idle_before:
+        victims: list[CachedChunk] = []
+        frees = 0
+        for chunk in self.chunks.values():  # chosen first, dropped after: no copy of the index
+            if frees >= n or (idle_before is not None and chunk.last_used > idle_before):
                 break
             if self.evictable(chunk):
-                del self.chunks[chunk.block_hash]
-                for s in chunk.sets:
-                    self.pool.release(s, index=True)
-                self.events.prefix_cache_evictions += 1
-                freed += [s for s in chunk.sets if self.pool.refcount[s] == 0]
+                victims.append(chunk)
+                frees += sum(self.pool.refcount[s] == 1 for s in chunk.sets)
+        freed: list[int] = []
+        for chunk in victims:
+            del self.chunks[chunk.block_hash]
+            for s in chunk.sets:
+                self.pool.release(s, index=True)
+            self.events.prefix_cache_evictions += 1
+            freed += [s for s in chunk.sets if self.pool.refcount[s] == 0]
         return freed
 
     def clear(self) -> None:
