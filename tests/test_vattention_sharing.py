@@ -448,3 +448,56 @@ def test_the_premapped_reserve_outranks_the_least_recently_used_cached_chunk_at_
     assert cache.pool.peak_held == 4 and stats.page_sets_free == 0
     assert cache.admit(1, prompt) == 96  # the prefix's tail went first; its head is still cached
     cache.close()
+
+
+def test_a_kept_fork_becomes_reusable_once_no_other_slot_maps_its_shared_page() -> None:
+    cache = make_cache(prefix_caching=False)
+    cache.admit(0, list(range(1, 41)))
+    compute(cache, 0, 0, 40, seed=0)
+    cache.fork(0, 1)  # slot 1 shares slot 0's full page and copies the partly filled one
+    child = cache.table.slots[cache.seqs[1].slot]
+    cache.free(1)
+    cache.free(0)
+    assert cache.table.usable(child) == 0 and cache.table.reserve() == 0  # both keep the shared page
+    # slot 0 drops what it kept, so the shared page is the child's alone: its slot joins the
+    # reserve, whose last page the admission then takes (the reserve goes first)
+    cache.admit(2, [7] * 10)
+    assert cache.seqs[2].slot == 0 and child.sets == [0]
+    assert cache.table.usable(child) == 1 and cache.table.reserve() == 1
+    cache.close()
+
+
+def test_a_reclaim_frees_a_batch_of_kept_pages_beyond_its_need() -> None:
+    from vmkv.vattention.slots import RECLAIM_BATCH
+
+    cache = make_cache(sets=128, deferred_reclamation=False)
+    for i in range(32):  # every set ends up held by the index alone
+        cache.admit(i, [i + 1] * 128)
+        compute(cache, i, 0, 128, seed=i)
+        cache.free(i)
+    assert cache.pool.free_count == 0 and len(cache.prefix.chunks) == 128
+    batch = int(RECLAIM_BATCH * 128)
+    cache.admit(100, [999] * 32)  # one set: the index gives up one chunk, and a batch more
+    assert cache.stats().prefix_cache_evictions == 1 + batch and cache.pool.free_count == batch
+    for i in range(batch):  # the next admissions take free sets
+        cache.admit(101 + i, [998 - i] * 32)
+    assert cache.stats().prefix_cache_evictions == 1 + batch and cache.pool.free_count == 0
+    cache.close()
+
+
+def test_in_a_full_cache_the_mapper_backs_a_running_sequence_from_kept_pages() -> None:
+    cache = make_cache(background_mapping=True, premap_slots=0)
+    for i in range(4):  # every set ends up kept: by an idle slot and the index
+        cache.admit(i, [i + 1] * 64)
+        compute(cache, i, 0, 64, seed=i)
+        cache.free(i)
+    cache.admit(10, [9] * 31)
+    compute(cache, 10, 0, 31, seed=10)
+    cache.grow(10, [9])
+    compute(cache, 10, 31, 32, seed=11)  # its prepare() queues the mapping of token 32's page
+    cache.wait_mapper()
+    before = cache.stats()
+    assert cache.slot_pages(10) == 2 and before.ahead_skipped == 0
+    cache.grow(10, [9])
+    assert cache.stats().map_calls_critical == before.map_calls_critical  # nothing mapped on the step thread
+    cache.close()

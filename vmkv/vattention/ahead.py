@@ -1,9 +1,11 @@
 """Mapping ahead of need, so the step thread rarely maps: look-ahead for the next step's
 tokens, group padding, and pre-mapped idle slots for the next admissions (the reserve). Jobs
-take free page sets only, never reclaiming kept pages (the reserve may evict least recently
-used cached chunks at the held peak: _room_for_reserve), are dropped when their slot changed
-owner since they were queued, and run on the background mapper's thread (mapper.py) or,
-without one, inline. The caller holds the cache's lock."""
+for running sequences take pages as the step thread would (the reserve's, then free ones, then
+idle slots' and cached chunks' kept pages), but never another sequence's mapped-ahead pages;
+pre-mapping takes free sets only (it may evict least recently used cached chunks at the held
+peak: _room_for_reserve). Jobs are dropped when their slot changed owner since they were
+queued, and run on the background mapper's thread (mapper.py) or, without one, inline. The
+caller holds the cache's lock."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 from vmkv.dense.plan import group_decodes
 from vmkv.kv_cache import OutOfKVMemory, StepBatch
 from vmkv.vattention.mapper import MapJob
+from vmkv.vattention.mapping import Slot
 from vmkv.vattention.slots import SlotSeq, SlotTable
 
 # pages a pre-mapping job maps at once: 2 MiB at 64 KiB pages, about a millisecond of populating
@@ -101,14 +104,14 @@ class MapAhead:
         want = self.geometry.pages_for(job.target_tokens) - len(slot.sets)
         if want <= 0:
             return
-        pool = table.pool
         if job.idle and not self._room_for_reserve(want, job.upcoming):
             return  # pre-mapping waits for memory
-        elif want > pool.free_count:
+        sets = self._take(job, slot, want)
+        if sets is None:
             events.ahead_skipped += 1
             return
         try:
-            table.mapping.map_sets(slot, table.pool.take(want, table.prefer(slot)), background)
+            table.mapping.map_sets(slot, sets, background)
         except OutOfKVMemory:
             events.ahead_skipped += 1
             return
@@ -116,6 +119,18 @@ class MapAhead:
             slot.idle_since = time.monotonic()
         if job.group_pad:
             events.group_pad_page_sets += want
+
+    def _take(self, job: MapJob, slot: Slot, want: int) -> list[int] | None:
+        """The sets a job maps, or None when it must wait. A running sequence's next pages are
+        found as the step thread would a step later, kept pages reclaimed included: in a full
+        cache (a server's, after its first requests) every page comes from them. Pre-mapping
+        and group padding take free sets only."""
+        table, pool = self.table, self.table.pool
+        if job.idle or job.group_pad:
+            return pool.take(want, table.prefer(slot)) if want <= pool.free_count else None
+        if want <= pool.free_count + table.reserve() + pool.index_only:  # no running one's pages
+            return table.take(want, slot)
+        return None
 
     def _room_for_reserve(self, want: int, upcoming: bool) -> bool:
         """Whether `want` more sets may join the reserve, making room when they can.

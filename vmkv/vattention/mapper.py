@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class BackgroundMapper:
         self._work = work
         self._jobs: queue.Queue[MapJob | None] = queue.Queue()
         self.errors: list[BaseException] = []
+        self.cpu_seconds = 0.0  # the thread's CPU time in jobs: what it takes from the step's cores
         self._thread = threading.Thread(target=self._run, name="vattention-mapper", daemon=True)
         self._thread.start()
 
@@ -61,7 +63,9 @@ class BackgroundMapper:
             try:
                 if job is None:
                     return
+                started = time.thread_time()
                 self._work(job)
+                self.cpu_seconds += time.thread_time() - started
             except Exception as e:  # mapping ahead is best effort; the step maps what it needs itself
                 self.errors.append(e)
             finally:
