@@ -128,8 +128,8 @@ class MapAhead:
         table, pool = self.table, self.table.pool
         if job.idle or job.group_pad:
             return pool.take(want, table.prefer(slot)) if want <= pool.free_count else None
-        if want <= pool.free_count + table.reserve() + pool.index_only:  # no running one's pages
-            return table.take(want, slot)
+        if want <= pool.free_count or want <= pool.free_count + table.reserve() + pool.index_only:
+            return table.take(want, slot)  # never a running sequence's pages: these cover it
         return None
 
     def _room_for_reserve(self, want: int, upcoming: bool) -> bool:
