@@ -235,7 +235,7 @@ class SlotTable:
 
     def in_use(self, exclude: Slot | list[Slot] | None = None) -> set[int]:
         """Page sets some sequence's slot maps, or a slot in `exclude` (its caller reuses them)."""
-        skip = {s.index for s in (exclude if isinstance(exclude, list) else [exclude]) if s is not None}
+        skip = _indices(exclude)
         used: set[int] = set()
         for slot in self.slots:
             if slot.seq_id is not None or slot.index in skip:
@@ -245,7 +245,7 @@ class SlotTable:
     def available(self, exclude: Slot | list[Slot] | None = None) -> int:
         """Free page sets, kept ones (all held sets no sequence or `exclude` maps) and running
         sequences' reclaimable surplus outside `exclude`."""
-        skip = {s.index for s in (exclude if isinstance(exclude, list) else [exclude]) if s is not None}
+        skip = _indices(exclude)
         kept = self.pool.num_sets - self.pool.free_count - len(self.in_use(exclude))
         return (
             self.pool.free_count + kept + sum(self.reclaimable(s) for s in self.slots if s.index not in skip)
@@ -264,7 +264,7 @@ class SlotTable:
         """Page sets mapped into private idle slots (outside `exclude`) for the next admissions
         (pre-mapped, or a finished sequence's pages kept by deferred reclamation): held, but
         backing no sequence, and each can be freed at once."""
-        skip = {s.index for s in (exclude if isinstance(exclude, list) else [exclude]) if s is not None}
+        skip = _indices(exclude)
         return sum(self.usable(s) for s in self.slots if s.seq_id is None and s.sets and s.index not in skip)
 
     def require(self, missing: int, exclude: Slot | list[Slot]) -> None:
@@ -300,3 +300,9 @@ class SlotTable:
             if take > 0:
                 self.mapping.drop_pages(slot, len(slot.sets) - take)
                 self.mapping.events.page_sets_reclaimed += take
+
+
+def _indices(exclude: Slot | list[Slot] | None) -> set[int]:
+    """The indices of the slots a caller excludes: one slot, a list of them, or none."""
+    slots = exclude if isinstance(exclude, list) else [exclude]
+    return {s.index for s in slots if s is not None}
