@@ -60,13 +60,13 @@ class BackgroundMapper:
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
+            started = time.thread_time()
             try:
                 if job is None:
                     return
-                started = time.thread_time()
                 self._work(job)
-                self.cpu_seconds += time.thread_time() - started
             except Exception as e:  # mapping ahead is best effort; the step maps what it needs itself
                 self.errors.append(e)
             finally:
+                self.cpu_seconds += time.thread_time() - started  # a failed job's time too
                 self._jobs.task_done()
