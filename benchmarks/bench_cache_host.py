@@ -39,8 +39,7 @@ def make(kind: str) -> KVCache:
 
 
 def mapper_cpu(cache: KVCache) -> float:
-    mapper = getattr(cache, "_mapper", None)
-    return mapper.cpu_seconds if mapper is not None else 0.0
+    return cache.stats().mapper_cpu_seconds or 0.0  # None: a layout without a mapper
 
 
 def wave(cache: KVCache, first_id: int, rng: random.Random) -> dict[str, float]:

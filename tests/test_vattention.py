@@ -302,6 +302,7 @@ def test_background_mapper_maps_next_step_off_the_critical_path() -> None:
     cache.wait_mapper()
     c = cache.stats()
     assert cache.slot_pages(1) == 2 and c.map_calls_background > 0
+    assert c.mapper_cpu_seconds > 0  # the thread's CPU reaches the stats (and /metrics)
     cache.grow(1, [0])
     assert cache.stats().map_calls_critical == c.map_calls_critical
     cache.close()

@@ -171,6 +171,7 @@ class KVStats:
     fork_shared_pages: int | None = None
     fork_copied_pages: int | None = None
     mapper_errors: int | None = None
+    mapper_cpu_seconds: float | None = None  # the background mapper thread's CPU: taken from the step's cores
     # vattention sharing: gauges, then event counts (cow_copies, prefix_cache_evictions and
     # hash_collisions below are shared with paged)
     units_kept: int | None = None  # of units_in_use, held only for reuse (idle slots, cached chunks)

@@ -223,7 +223,8 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         counted once; pages_mapped counts mappings, so a page a fork shares counts twice."""
         with self._lock:
             errors = len(self._mapper.errors) if self._mapper else 0
-            return kv_stats(self.table, self.driver.stats.pages_mapped, errors)
+            cpu = self._mapper.cpu_seconds if self._mapper else 0.0
+            return kv_stats(self.table, self.driver.stats.pages_mapped, errors, cpu)
 
     # ----------------------------------------------------------- preemption
     def swap_out(self, seq_ids: Sequence[int]) -> None:

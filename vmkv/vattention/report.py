@@ -25,7 +25,7 @@ def kv_memory(table: SlotTable, seqs: dict[int, SlotSeq], shape: KVShape) -> KVM
     )
 
 
-def kv_stats(table: SlotTable, pages_mapped: int, mapper_errors: int) -> KVStats:
+def kv_stats(table: SlotTable, pages_mapped: int, mapper_errors: int, mapper_cpu_seconds: float) -> KVStats:
     units, pool = table.geometry.units, table.pool
     counts = table.mappers(running_only=True)  # sequences mapping each set
     # counted in C, not per set in Python: this runs every step (engine stats)
@@ -44,6 +44,7 @@ def kv_stats(table: SlotTable, pages_mapped: int, mapper_errors: int) -> KVStats
         shared_pages=shared * units,
         bytes_saved=extra * units * table.geometry.page_size,
         mapper_errors=mapper_errors,
+        mapper_cpu_seconds=mapper_cpu_seconds,
         **dataclasses.asdict(table.mapping.events),
         **prefix,
     )
