@@ -455,13 +455,16 @@ def test_tiny_offline_bench_writes_json_markdown_and_plots(
     engine_runs = [r for r in runs if r["engine"]]
     assert {r["target"] for r in engine_runs} == {"vattention", "paged"}
     assert all(r["engine"]["timeline"] and r["engine"]["peak_allocated_bytes"] > 0 for r in engine_runs)
+    # the mapper's CPU is vattention's alone: a share of step time there, absent for paged
+    shares = {r["target"]: r["engine"]["mapper_share"] for r in engine_runs}
+    assert shares["vattention"] >= 0 and shares["paged"] is None
     assert results["capacity"][0]["layout"] == "contiguous"
     speeds = {(r["order"], r["attention"]) for r in results["decode_speed"]}
     assert speeds == {(o, a) for o in ("token", "head", "packed") for a in ("cpu_kernel", "sdpa")}
     assert all(r["ms_per_layer"] > 0 for r in results["decode_speed"])
     report = (out / "report.md").read_text()
     assert "| vattention |" in report and "| transformers |" in report and "Capacity" in report
-    assert "Decode attention per vattention order" in report
+    assert "Decode attention per vattention order" in report and "mapper CPU / step time" in report
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert {"capacity.png", "kv_memory.png", "rate_sweep.png", "ttft_cdf.png"} <= set(pngs)
     assert all((out / "plots" / p).stat().st_size > 1000 for p in pngs)

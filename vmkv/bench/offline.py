@@ -45,6 +45,7 @@ class EngineSummary:
     preemptions: int
     os_minor_faults: int  # the whole process, during the run (getrusage)
     mapping_share: float | None  # vattention: critical-path map seconds / step seconds
+    mapper_share: float | None  # vattention: the background mapper's CPU seconds / step seconds
     prefix_cache_hit_rate: float | None
     reserved_bytes: int
     peak_allocated_bytes: int
@@ -178,6 +179,7 @@ def _summarize(
     kv = after.kv_stats.since(before.kv_stats)
     queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
     map_critical = kv.map_seconds_critical
+    mapper_cpu = kv.mapper_cpu_seconds
     peak_allocated, peak_used, waste = memory_peaks(timeline)
     return EngineSummary(
         steps=len(timeline),
@@ -186,6 +188,7 @@ def _summarize(
         preemptions=after.num_preemptions - before.num_preemptions,
         os_minor_faults=faults,
         mapping_share=map_critical / step_seconds if map_critical is not None and step_seconds else None,
+        mapper_share=mapper_cpu / step_seconds if mapper_cpu is not None and step_seconds else None,
         prefix_cache_hit_rate=hits / queries if queries else None,
         reserved_bytes=after.memory.reserved_bytes,
         peak_allocated_bytes=peak_allocated,

@@ -177,6 +177,7 @@ def layout_table(groups: Sequence[Group]) -> list[str]:
         "OS minor faults",
         "map calls critical / background",
         "step time mapping",
+        "mapper CPU / step time",
         "blocks allocated",
         "CoW copies",
         "prefix hit rate",
@@ -189,6 +190,7 @@ def layout_table(groups: Sequence[Group]) -> list[str]:
         if not all(r.engine for r in g.runs):
             continue
         share = _engine(g, lambda e: e.mapping_share)
+        mapper = _engine(g, lambda e: e.mapper_share)
         hit = _engine(g, lambda e: e.prefix_cache_hit_rate)
         critical, background = _counter(g, "map_calls_critical"), _counter(g, "map_calls_background")
         rows.append(
@@ -203,6 +205,7 @@ def layout_table(groups: Sequence[Group]) -> list[str]:
                 _num(_engine(g, lambda e: e.os_minor_faults), 0),
                 f"{critical} / {background}" if critical != "–" else "–",
                 f"{share:.2%}" if not math.isnan(share) else "–",
+                f"{mapper:.2%}" if not math.isnan(mapper) else "–",
                 _counter(g, "blocks_allocated"),
                 _counter(g, "cow_copies"),
                 f"{hit:.1%}" if not math.isnan(hit) else "–",
