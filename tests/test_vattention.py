@@ -296,7 +296,7 @@ def test_eager_allocation_maps_steps_ahead_and_gives_them_up_under_pressure() ->
 
 
 def test_background_mapper_maps_next_step_off_the_critical_path() -> None:
-    cache = make_cache(deferred_reclamation=False)
+    cache = make_cache(deferred_reclamation=False, ahead_bytes=0)  # one page at a time
     cache.admit(1, [0] * 32)  # exactly one page: the next token needs a second
     write(cache, [SeqStep(1, 0, 32)], {1: 1.0})
     cache.wait_mapper()
@@ -307,6 +307,47 @@ def test_background_mapper_maps_next_step_off_the_critical_path() -> None:
     assert cache.stats().map_calls_critical == c.map_calls_critical
     cache.close()
     assert not cache._mapper.alive
+
+
+def test_the_mapper_backs_a_growing_sequence_ahead_bytes_at_a_time_in_one_call() -> None:
+    # packed pages of 8 tokens: 3 a job, so the mapper wakes once every 3 pages, not at every page
+    cache = make_cache(num_sets=32, order="packed", deferred_reclamation=False, ahead_bytes=3 * PAGE)
+    cache.admit(1, [0] * 8)  # one page: the next token needs a second
+    write(cache, [SeqStep(1, 0, 8)], {1: 1.0})
+    cache.wait_mapper()
+    first = cache.stats()
+    assert cache.slot_pages(1) == 4 and first.map_calls_background == 1  # consecutive sets, one call
+    for t in range(8, 32):  # tokens up to 32 fit the 4 pages: no job, nothing on the step thread
+        cache.grow(1, [0])
+        write(cache, [SeqStep(1, t, 1)], {1: 1.0})
+    cache.wait_mapper()
+    later = cache.stats()
+    assert cache.slot_pages(1) == 7 and later.map_calls_background == 2
+    assert later.map_calls_critical == first.map_calls_critical
+    # the pages mapped ahead are the running sequence's surplus: another sequence may reclaim them
+    assert cache.table.reclaimable(cache.table.slots[cache.seqs[1].slot]) == 7 - 4  # 32 tokens: 4 pages
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_pages_mapped_ahead_are_reclaimable_once_the_step_that_pinned_them_finished() -> None:
+    # 8 sets of 8 tokens: sequence 1 holds 4 (2 needed, 2 mapped ahead and pinned by its next
+    # step's prepare); after that step a 48-token prompt needs 6 of the 8, so 2 of the surplus
+    cache = make_cache(
+        num_sets=8, order="packed", deferred_reclamation=False, ahead_bytes=3 * PAGE, premap_slots=0
+    )
+    cache.admit(1, [0] * 8)
+    write(cache, [SeqStep(1, 0, 8)], {1: 1.0})
+    cache.wait_mapper()
+    assert cache.slot_pages(1) == 4
+    for t in range(8, 10):
+        cache.grow(1, [0])
+        write(cache, [SeqStep(1, t, 1)], {1: 1.0})  # its prepare pins the 4 pages; finish unpins
+    cache.admit(2, [1] * 48)
+    assert cache.slot_pages(1) == 2 and cache.slot_pages(2) == 6
+    torch.testing.assert_close(stored(cache, 1, 10)[0], torch.ones(10, 2, 16))  # its tokens kept
+    check_invariants(cache, strict=False)
+    cache.close()
 
 
 def test_mapper_premaps_idle_slots_so_an_admission_maps_nothing_on_the_step_thread() -> None:
@@ -379,7 +420,7 @@ def test_premapped_pages_give_way_to_a_sequence_that_needs_them() -> None:
 def test_waiting_prompts_find_idle_slots_backed_for_their_own_lengths() -> None:
     # no reserve (premap_fraction 0): only the prompts the scheduler names get slots, each at its
     # own length (3 and 5 pages at 8 tokens a page), above the held peak of two pages
-    cache = make_cache(num_sets=32, order="packed", premap_fraction=0.0)
+    cache = make_cache(num_sets=32, order="packed", premap_fraction=0.0, ahead_bytes=0)
     cache.admit(1, [0] * 8)
     write(cache, [SeqStep(1, 0, 8)], {1: 1.0})
     cache.wait_mapper()

@@ -486,7 +486,7 @@ def test_a_reclaim_frees_a_batch_of_kept_pages_beyond_its_need() -> None:
 
 
 def test_in_a_full_cache_the_mapper_backs_a_running_sequence_from_kept_pages() -> None:
-    cache = make_cache(background_mapping=True, premap_slots=0)
+    cache = make_cache(background_mapping=True, premap_slots=0, ahead_bytes=0)
     for i in range(4):  # every set ends up kept: by an idle slot and the index
         cache.admit(i, [i + 1] * 64)
         compute(cache, i, 0, 64, seed=i)

@@ -29,15 +29,20 @@ class MapAhead:
         self.geometry, self.config = table.geometry, table.config
         # the reserve (private idle slots' pages) stays within this many page sets
         self.reserve_limit = int(self.config.premap_fraction * table.pool.num_sets)
+        self.chunk = max(1, self.config.ahead_bytes // self.geometry.page_set_bytes)
 
     def look_ahead(self, seqs: Sequence[SlotSeq]) -> list[MapJob]:
-        """Back each sequence max(1, eager_steps) tokens past what it holds now."""
-        ahead = max(1, self.config.eager_steps)
+        """Back each sequence max(1, eager_steps) tokens past what it holds now, and when it must
+        grow, `chunk` page sets beyond: a job per few pages costs the step's cores less than one
+        per page (the pool hands a slot consecutive sets, which the driver maps in one call)."""
+        ahead, geo = max(1, self.config.eager_steps), self.geometry
         jobs = []
         for seq in seqs:
             slot = self.table.slots[seq.slot]
-            if self.geometry.pages_for(seq.length + ahead) > len(slot.sets):  # only wake the mapper for work
-                jobs.append(MapJob(slot.index, slot.generation, seq.length + ahead))
+            need = geo.pages_for(seq.length + ahead)
+            if need > len(slot.sets):  # only wake the mapper for work
+                target = min(geo.tokens_backed(need + self.chunk - 1), geo.max_len)
+                jobs.append(MapJob(slot.index, slot.generation, target, least_tokens=seq.length + ahead))
         return jobs
 
     def group_pad(self, batch: StepBatch, seqs: Sequence[SlotSeq], upcoming: int) -> list[MapJob]:
@@ -128,9 +133,13 @@ class MapAhead:
         table, pool = self.table, self.table.pool
         if job.idle or job.group_pad:
             return pool.take(want, table.prefer(slot)) if want <= pool.free_count else None
-        if want <= pool.free_count or want <= pool.free_count + table.reserve() + pool.index_only:
-            return table.take(want, slot)  # never a running sequence's pages: these cover it
-        return None
+        if want > pool.free_count:
+            cover = pool.free_count + table.reserve() + pool.index_only
+            if want > cover:  # fewer, if they still back what the job needs at least
+                want = max(self.geometry.pages_for(job.least_tokens) - len(slot.sets), cover)
+                if want > cover or want <= 0:
+                    return None
+        return table.take(want, slot)  # never a running sequence's: free, reserve, index-only sets cover it
 
     def _room_for_reserve(self, want: int, upcoming: bool) -> bool:
         """Whether `want` more sets may join the reserve, making room when they can.

@@ -338,8 +338,10 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
 
     def finish_step(self, plan: DenseSlotPlan) -> None:
         """Every layer wrote the step's tokens: from now on a fork may share their full pages,
-        and the prefix cache indexes the chunks they complete."""
+        and the prefix cache indexes the chunks they complete. No plan reads the slots now, so
+        their pages mapped ahead are reclaimable again until the next prepare() pins them."""
         with self._lock:
+            self.table.pin([])
             for s in plan.batch.steps:
                 seq = self.seqs.get(s.seq_id)
                 if seq is not None and seq.slot >= 0:

@@ -19,6 +19,7 @@ class MapJob:
     slot: int
     generation: int
     target_tokens: int
+    least_tokens: int = 0  # a running sequence's job may back fewer than target, never fewer than this
     group_pad: bool = False  # surplus pages that let the slot join a batched decode call
     idle: bool = False  # pre-mapping an idle slot for the next admission (its generation is the idle one)
     upcoming: bool = False  # that admission is a waiting prompt's the scheduler named (KVCache.expect)
