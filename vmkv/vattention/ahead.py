@@ -133,13 +133,12 @@ class MapAhead:
         table, pool = self.table, self.table.pool
         if job.idle or job.group_pad:
             return pool.take(want, table.prefer(slot)) if want <= pool.free_count else None
-        if want > pool.free_count:
+        if want > pool.free_count:  # as many as free, reserve and index-only sets cover
             cover = pool.free_count + table.reserve() + pool.index_only
-            if want > cover:  # fewer, if they still back what the job needs at least
-                want = max(self.geometry.pages_for(job.least_tokens) - len(slot.sets), cover)
-                if want > cover or want <= 0:
-                    return None
-        return table.take(want, slot)  # never a running sequence's: free, reserve, index-only sets cover it
+            if cover < max(1, self.geometry.pages_for(job.least_tokens) - len(slot.sets)):
+                return None  # not even what the job needs at least
+            want = min(want, cover)
+        return table.take(want, slot)  # never a running sequence's pages: the cover holds none
 
     def _room_for_reserve(self, want: int, upcoming: bool) -> bool:
         """Whether `want` more sets may join the reserve, making room when they can.
