@@ -369,6 +369,23 @@ def test_mapper_premaps_idle_slots_so_an_admission_maps_nothing_on_the_step_thre
     cache.close()
 
 
+def test_a_premapping_job_still_queued_is_not_queued_again() -> None:
+    # every free() asks for the reserve again: sequences finishing together asked for the same
+    # few jobs thousands of times, and each copy walked the slots on the mapper thread
+    cache = make_cache(num_sets=32, order="packed", premap_slots=2, premap_tokens=16, premap_fraction=0.5)
+    cache.wait_mapper()
+    assert [len(s.sets) for s in cache.table.slots if s.sets] == [2, 2]
+    jobs = cache._ahead.premap(32, 2)
+    assert sorted(job.target_tokens for job in jobs) == [32, 32]
+    assert cache._ahead.premap(32, 2) == []  # queued: not again
+    cache._mapper.submit(jobs)
+    cache.wait_mapper()
+    assert [len(s.sets) for s in cache.table.slots if s.sets] == [4, 4]
+    assert cache._ahead.premap(32, 2) == []  # done: nothing left to do
+    assert len(cache._ahead.premap(48, 2)) == 2  # a new target is new work
+    cache.close()
+
+
 def test_the_premapped_reserve_stays_within_its_share_and_goes_when_the_cache_is_quiet() -> None:
     # 1/16 of 32 sets: one slot of 2 pages (16 tokens), not the 16 slots asked for
     cache = make_cache(num_sets=32, order="packed", premap_tokens=16, kept_idle_seconds=3600)

@@ -30,6 +30,10 @@ class MapAhead:
         # the reserve (private idle slots' pages) stays within this many page sets
         self.reserve_limit = int(self.config.premap_fraction * table.pool.num_sets)
         self.chunk = max(1, self.config.ahead_bytes // self.geometry.page_set_bytes)
+        # pre-mapping jobs queued and not yet run: every free() asks for the reserve again, and
+        # 64 sequences finishing together queued ~2,000 copies of the same few jobs per wave,
+        # each walking the slots under the lock on the mapper thread (~0.3 s of its CPU a wave)
+        self.queued_idle: set[MapJob] = set()
 
     def look_ahead(self, seqs: Sequence[SlotSeq]) -> list[MapJob]:
         """Back each sequence max(1, eager_steps) tokens past what it holds now, and when it must
@@ -98,32 +102,36 @@ class MapAhead:
                 pieces = range(len(slot.sets) + PREMAP_PIECE, want, PREMAP_PIECE)
                 tokens = [self.geometry.tokens_backed(p) for p in pieces] + [target]
                 jobs += [MapJob(slot.index, slot.generation, t, idle=True, upcoming=upcoming) for t in tokens]
+        jobs = [job for job in jobs if job not in self.queued_idle]
+        self.queued_idle.update(jobs)
         return jobs
 
-    def run(self, job: MapJob, background: bool) -> None:
-        """Back job.target_tokens of the slot from free pages only."""
+    def run(self, job: MapJob, background: bool) -> bool:
+        """Back job.target_tokens of the slot; True when it mapped pages."""
         table, events = self.table, self.table.mapping.events
+        self.queued_idle.discard(job)
         slot = table.slots[job.slot]
         if slot.generation != job.generation or (slot.seq_id is None) != job.idle:
-            return  # freed or reassigned since the job was queued
+            return False  # freed or reassigned since the job was queued
         want = self.geometry.pages_for(job.target_tokens) - len(slot.sets)
         if want <= 0:
-            return
+            return False
         if job.idle and not self._room_for_reserve(want, job.upcoming):
-            return  # pre-mapping waits for memory
+            return False  # pre-mapping waits for memory
         sets = self._take(job, slot, want)
         if sets is None:
             events.ahead_skipped += 1
-            return
+            return False
         try:
             table.mapping.map_sets(slot, sets, background)
         except OutOfKVMemory:
             events.ahead_skipped += 1
-            return
+            return False
         if job.idle:  # fresh pages: the trimmer must not take them for long idle
             slot.idle_since = time.monotonic()
         if job.group_pad:
             events.group_pad_page_sets += want
+        return True
 
     def _take(self, job: MapJob, slot: Slot, want: int) -> list[int] | None:
         """The sets a job maps, or None when it must wait. A running sequence's next pages are

@@ -393,8 +393,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
     def _run_job(self, job: MapJob) -> None:
         """The mapper thread's work: one job under the lock, unless the cache closed."""
         with self._lock:
-            if not self._closed:
-                self._ahead.run(job, background=True)
+            if not self._closed and self._ahead.run(job, background=True):
                 self.peaks.observe(self.table)
 
     def _check_open(self) -> None:
