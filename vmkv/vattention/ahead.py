@@ -31,8 +31,9 @@ class MapAhead:
         self.reserve_limit = int(self.config.premap_fraction * table.pool.num_sets)
         self.chunk = max(1, self.config.ahead_bytes // self.geometry.page_set_bytes)
         # pre-mapping jobs queued and not yet run: every free() asks for the reserve again, and
-        # 64 sequences finishing together queued ~2,000 copies of the same few jobs per wave,
-        # each walking the slots under the lock on the mapper thread (~0.3 s of its CPU a wave)
+        # the at-once wave's 64 sequences finishing together queued ~2,000 jobs that mapped
+        # nothing, each walking the slots under the lock on the mapper thread (its CPU in that
+        # wave: 0.40 s with them, 0.35 s without; docs/vattention.md)
         self.queued_idle: set[MapJob] = set()
 
     def look_ahead(self, seqs: Sequence[SlotSeq]) -> list[MapJob]:
