@@ -19,6 +19,9 @@ number of layers. Columns:
 - paged kernel, blocks in runs: the kernel on the pool's own placement (each sequence's
   blocks consecutive, as the pool keeps them while it has free runs).
 
+The paged pool is private memory that asks for huge pages (zeros_on_huge_pages); the header says
+whether the OS grants them (transparent_hugepage/enabled).
+
 Read floor (second table): each kernel column again, on its own cache of the same layout, with
 the kernel built with -DREAD_ONLY: the same work items, cursors and prefetches, every K and V
 row loaded, no arithmetic. What a layout's access pattern costs on this machine (pages, DRAM
@@ -42,7 +45,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from vmkv.drivers import DEFAULT_PAGE_SIZE, huge_page_size, shmem_huge_pages
+from vmkv.drivers import DEFAULT_PAGE_SIZE, anon_huge_pages, huge_page_size, shmem_huge_pages
 from vmkv.paging import PagedKVCache
 
 from vmkv.decode_kernel import load_decode_kernel
@@ -292,6 +295,8 @@ def main() -> None:
     if huge_page_size() and args.page_size % huge_page_size() == 0:
         pages += ", huge pages asked, " + ("granted" if shmem_huge_pages() else "not granted (shmem_enabled)")
     print(pages)
+    granted = "granted" if anon_huge_pages() else "not granted (transparent_hugepage/enabled)"
+    print(f"paged pool: huge pages asked, {granted}" if huge_page_size() else "paged pool: no huge pages")
     decode_table(args.batch, contexts, rounds, args.with_torch, args.page_size)
     prefill_table(1000, rounds)
     prepare_table(args.batch, [contexts[0], contexts[-1]], rounds)

@@ -13,7 +13,14 @@ from .errors import (
     PoolExhaustedError,
     RawCallError,
 )
-from .host import DEFAULT_PAGE_SIZE, HostDriver, huge_page_size, shmem_huge_pages
+from .host import (
+    DEFAULT_PAGE_SIZE,
+    HostDriver,
+    anon_huge_pages,
+    huge_page_size,
+    shmem_huge_pages,
+    zeros_on_huge_pages,
+)
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",
@@ -31,6 +38,8 @@ __all__ = [
     "PoolExhaustedError",
     "RawCallError",
     "Reservation",
+    "anon_huge_pages",
     "huge_page_size",
     "shmem_huge_pages",
+    "zeros_on_huge_pages",
 ]

@@ -9,11 +9,16 @@ boundary and every mapping asks for transparent huge pages (madvise MADV_HUGEPAG
 is first touched, so where the kernel lets shared memory have them (shmem_huge_pages()) one
 TLB entry covers a page, as on a GPU. A layer-packed K/V row of a token sits 23 KB after the
 previous one, so at 4 KiB OS pages every token of a layer is a TLB miss (docs/vattention.md).
+
+zeros_on_huge_pages() gives tensors that no driver maps (the paged layout's block pool) the same
+huge pages on private memory, which most kernels grant where shared memory gets none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import math
 import mmap
 import os
 import sys
@@ -72,6 +77,46 @@ def shmem_huge_pages() -> bool:
     per_size = _sysfs_choice(f"{THP_SYSFS}/hugepages-{size // 1024}kB/shmem_enabled")
     policy = _sysfs_choice(f"{THP_SYSFS}/shmem_enabled") if per_size in ("", "inherit") else per_size
     return policy in ("always", "within_size", "advise", "force")
+
+
+def anon_huge_pages() -> bool:
+    """True when the kernel gives private anonymous memory huge pages for an madvise'd range
+    ("always" or "madvise", the common default; a per-size policy overrides unless "inherit")."""
+    size = huge_page_size()
+    if not size:
+        return False
+    per_size = _sysfs_choice(f"{THP_SYSFS}/hugepages-{size // 1024}kB/enabled")
+    policy = _sysfs_choice(f"{THP_SYSFS}/enabled") if per_size in ("", "inherit") else per_size
+    return policy in ("always", "madvise")
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on private memory that asks for transparent huge pages, populated now.
+
+    Why: the paged decode kernel reads 6 KiB blocks in the order of each block table, so on 4 KiB
+    OS pages nearly every block is a TLB miss the hardware prefetcher cannot run ahead of. On
+    2 MiB pages the scattered pool read 1.13-1.46x faster at batch 64 x 2,048 tokens on a Zen 4
+    EPYC (docs/paging.md). Populated here, as torch.zeros would be, so no step takes the first
+    touch. Where the OS gives no huge pages this is torch.zeros.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = itemsize * math.prod(shape)
+    huge = huge_page_size()
+    if not nbytes or not huge or not sys.platform.startswith("linux"):
+        return torch.zeros(shape, dtype=dtype)
+    # over-reserve by one huge page so the tensor starts on a huge-page boundary; the unused
+    # head and tail are never touched, so they take no memory
+    memory = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(memory, dtype=torch.uint8)  # keeps `memory` alive while viewed
+    start = -whole.data_ptr() % huge
+    with contextlib.suppress(OSError):  # advice: before the first touch, or pages stay 4 KiB
+        memory.madvise(MADV_HUGEPAGE, start, nbytes)
+    tensor = whole[start : start + nbytes].view(dtype).view(shape)
+    try:
+        memory.madvise(MADV_POPULATE_WRITE, start, nbytes)
+    except OSError:  # Linux < 5.14: touch every page instead
+        tensor.zero_()
+    return tensor
 
 
 def _load_libc() -> ctypes.CDLL:

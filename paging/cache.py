@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from vmkv.drivers import zeros_on_huge_pages
 
 from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, SequenceTooLong, StepBatch
 
@@ -93,11 +94,11 @@ class PagedKVCache(KVCache[PagedPlan]):
                 f"kv_budget_bytes={kv_budget_bytes} is less than one block ({self.block_bytes} bytes)"
             )
         self.pool = BlockPool(num_blocks)
-        self.kv = torch.zeros(
-            (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
-            dtype=shape.dtype,
-            device=self.device,
-        )
+        kv_shape = (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        if self.device.type == "cpu":  # blocks are read scattered: huge pages spare a TLB miss each
+            self.kv = zeros_on_huge_pages(kv_shape, shape.dtype)
+        else:
+            self.kv = torch.zeros(kv_shape, dtype=shape.dtype, device=self.device)
         self._blocks = [(self.kv[i, 0], self.kv[i, 1]) for i in range(shape.num_layers)]
         self.attention = self._attention_path(attention)
         self.seqs: dict[int, PagedSequence] = {}  # by id; read them, change them only through the contract

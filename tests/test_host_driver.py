@@ -25,8 +25,10 @@ from vmkv.drivers import (
     NotMappedError,
     PageStateError,
     PoolExhaustedError,
+    anon_huge_pages,
     huge_page_size,
     shmem_huge_pages,
+    zeros_on_huge_pages,
 )
 
 PS = 64 * 1024
@@ -459,6 +461,35 @@ def test_huge_page_sized_pages_ask_for_huge_pages_and_get_them_where_granted():
         res = d.reserve(PS)
         d.map(res, 0, d.alloc(1))
         assert "hg" not in vm_flags(res.base)
+
+
+def thp_anon_fallbacks() -> int:
+    """Huge pages the kernel wanted for private memory but could not allocate."""
+    with open("/proc/vmstat") as f:
+        counters = dict(line.split() for line in f)
+    return int(counters.get("thp_fault_fallback", 0))
+
+
+@pytest.mark.skipif(huge_page_size() != MIB2, reason="the kernel has no 2 MiB transparent huge pages")
+def test_a_tensor_on_huge_pages_starts_zeroed_populated_on_a_huge_page_boundary():
+    fallbacks = thp_anon_fallbacks()
+    t = zeros_on_huge_pages((2, MIB2 // 2), torch.bfloat16)  # two huge pages
+    assert t.shape == (2, MIB2 // 2) and t.dtype == torch.bfloat16 and not t.any()
+    assert t.data_ptr() % MIB2 == 0
+    assert "hg" in vm_flags(t.data_ptr())  # asked before the first touch
+    _, fields = vma(t.data_ptr(), "smaps")
+    assert fields["Rss"] == 2 * MIB2 // 1024  # populated: no step takes the first touch
+    # "madvise" and "always" grant them to private memory, or the kernel counts a fallback when it
+    # finds no free 2 MiB of memory; "never" leaves 4 KiB pages.
+    if anon_huge_pages():
+        assert fields["AnonHugePages"] == 2 * MIB2 // 1024 or thp_anon_fallbacks() > fallbacks
+    t[1] = 3
+    assert float(t.float().sum()) == 3 * MIB2 // 2
+
+
+def test_a_tensor_on_huge_pages_of_no_elements_is_plain_zeros():
+    t = zeros_on_huge_pages((0, 4), torch.float32)
+    assert t.shape == (0, 4) and t.dtype == torch.float32
 
 
 @pytest.mark.parametrize("populate", [False, True])
