@@ -293,7 +293,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {threads} threads, native bf16: {bf16}, medians of {rounds}")
     pages = f"vattention pages of {args.page_size >> 10} KiB"
     if huge_page_size() and args.page_size % huge_page_size() == 0:
-        pages += ", huge pages asked, " + ("granted" if shmem_huge_pages() else "not granted (shmem_enabled)")
+        never = "collapsed once per page (shmem_enabled says never)"
+        how = "granted at the fault" if shmem_huge_pages() else never
+        pages += ", huge pages asked, " + how
     print(pages)
     granted = "granted" if anon_huge_pages() else "not granted (transparent_hugepage/enabled)"
     print(f"paged pool: huge pages asked, {granted}" if huge_page_size() else "paged pool: no huge pages")
