@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import math
 import mmap
 import os
@@ -240,17 +239,18 @@ class HostDriver(MemoryDriver):
 
     def _collapse_pages(self, addr: int, first_page: int, num_pages: int) -> None:
         """Collapse the mapped pool pages not collapsed before (~0.7 ms per 2 MiB page, once).
-        Advice: a kernel without MADV_COLLAPSE (EINVAL) stops further tries; one short of free
-        2 MiB memory leaves that page at 4 KiB pages for now."""
+
+        Advice: the first refusal stops every later try. A kernel without MADV_COLLAPSE refuses
+        them all, and one short of free 2 MiB memory would reclaim and compact memory on every
+        map call (collapsing does both whatever the defrag policy says)."""
         for i in range(num_pages):
             page = first_page + i
             if page in self.collapsed_pages:
                 continue
-            if _libc.madvise(addr + i * self.page_size, self.page_size, MADV_COLLAPSE) == 0:
-                self.collapsed_pages.add(page)
-            elif ctypes.get_errno() == errno.EINVAL:
+            if _libc.madvise(addr + i * self.page_size, self.page_size, MADV_COLLAPSE):
                 self._collapse = False
                 return
+            self.collapsed_pages.add(page)
 
     def _raw_unmap(self, addr: int, num_pages: int) -> None:
         self._mmap(

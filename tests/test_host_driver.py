@@ -26,6 +26,7 @@ from vmkv.drivers import (
     PageStateError,
     PoolExhaustedError,
     anon_huge_pages,
+    host,
     huge_page_size,
     shmem_huge_pages,
     zeros_on_huge_pages,
@@ -484,6 +485,33 @@ def test_a_collapsed_pool_page_maps_huge_elsewhere_keeps_its_data_and_is_forgott
         d.unmap(other, 0)
         d.free([page], punch=True)
         assert page not in d.collapsed_pages  # its memory went back to the OS
+
+
+@pytest.mark.skipif(
+    huge_page_size() != MIB2 or shmem_huge_pages(), reason="needs 2 MiB THP that faults do not grant shmem"
+)
+def test_a_refused_collapse_stops_every_later_try(monkeypatch):
+    real, tries = host._libc, []
+
+    class RefusingCollapse:  # the C library, except that MADV_COLLAPSE always fails
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def madvise(self, addr, size, advice):
+            if advice == host.MADV_COLLAPSE:
+                tries.append(addr)
+                return -1
+            return real.madvise(addr, size, advice)
+
+    monkeypatch.setattr(host, "_libc", RefusingCollapse())
+    with HostDriver(num_pages=3, page_size=MIB2, populate=True) as d:
+        res = d.reserve(3 * MIB2)
+        d.map(res, 0, d.alloc(2))
+        d.map(res, 2 * MIB2, d.alloc(1))
+        assert len(tries) == 1 and not d.collapsed_pages  # compaction is not retried per map
+        v = d.view(res, torch.int64, (3 * MIB2 // 8,))
+        v[:] = 2  # the pages work at 4 KiB
+        assert int(v.sum()) == 3 * MIB2 // 4
 
 
 def thp_anon_fallbacks() -> int:
