@@ -292,10 +292,13 @@ def main() -> None:
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads, native bf16: {bf16}, medians of {rounds}")
     pages = f"vattention pages of {args.page_size >> 10} KiB"
-    if huge_page_size() and args.page_size % huge_page_size() == 0:
+    huge = huge_page_size()
+    if huge and args.page_size % huge == 0:
         never = "collapsed once per page (shmem_enabled says never)"
         how = "granted at the fault" if shmem_huge_pages() else never
         pages += ", huge pages asked, " + how
+    elif huge and huge % args.page_size == 0:
+        pages += f", layer-packed runs of {huge >> 20} MiB collapsed into huge pages where the kernel can"
     print(pages)
     granted = "granted" if anon_huge_pages() else "not granted (transparent_hugepage/enabled)"
     print(f"paged pool: huge pages asked, {granted}" if huge_page_size() else "paged pool: no huge pages")

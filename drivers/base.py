@@ -95,6 +95,9 @@ class MemoryDriver(ABC):
     """
 
     device: torch.device
+    # bytes of consecutive pool pages, starting at a multiple of this, that the driver backs with
+    # one huge page when they are mapped in order at an address aligned the same way (0: none)
+    huge_run: int = 0
 
     def __init__(self, page_size: int, num_pages: int, debug: bool = False) -> None:
         page_size = as_int(page_size, "page_size")

@@ -7,11 +7,13 @@ MAP_FIXED, so the range is never a hole another mmap could take.
 With pages that are whole huge pages (2 MiB on x86), reservations start on a huge-page
 boundary and every mapping asks for transparent huge pages (madvise MADV_HUGEPAGE) before it
 is first touched, so where the kernel lets shared memory have them (shmem_huge_pages()) one
-TLB entry covers a page, as on a GPU. Where it does not ("never", the common default), a
-populated pool page is collapsed into a huge page the first time it is mapped (MADV_COLLAPSE,
-Linux 6.1+, which that policy does not forbid); the memfd keeps it huge, so later mappings of
-that page take one TLB entry too. A layer-packed K/V row of a token sits 23 KB after the
-previous one, so at 4 KiB OS pages every token of a layer is a TLB miss (docs/vattention.md).
+TLB entry covers a page, as on a GPU. Where it does not ("never", the common default), and for
+smaller pages whose runs fill a huge page, the driver collapses what it maps into huge pages
+(MADV_COLLAPSE, Linux 6.1+, which that policy does not forbid): a 2 MiB page the first time it
+is mapped, and a run of 64 KiB pages once it fills an aligned 2 MiB of the memfd, mapped in
+order at an aligned address (`huge_run`; vattention's layer-packed slots keep their runs so).
+A layer-packed K/V row of a token sits 23 KB after the previous one, so at 4 KiB OS pages
+every token of a layer is a TLB miss (docs/vattention.md).
 
 zeros_on_huge_pages() gives tensors that no driver maps (the paged layout's block pool) the same
 huge pages on private memory, which most kernels grant where shared memory gets none.
@@ -21,14 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import math
 import mmap
 import os
 import sys
+from collections.abc import Sequence
 
 import torch
 
-from .base import MemoryDriver, as_int
+from .base import MemoryDriver, Reservation, as_int
 from .errors import DriverUnavailableError, RawCallError
 
 PROT_NONE = 0x0
@@ -183,11 +187,16 @@ class HostDriver(MemoryDriver):
         self.populate = populate
         huge = huge_page_size()
         self.huge_pages = bool(huge) and page_size % huge == 0  # asked for; shmem_huge_pages() grants
-        self._align = huge if self.huge_pages else os_page
-        # where faults give 4 KiB shared pages, collapse each pool page once (its memfd extent
-        # then stays one huge page until punched); needs populated pages
-        self._collapse = self.huge_pages and populate and not shmem_huge_pages()
-        self.collapsed_pages: set[int] = set()
+        # A run of pool pages that fills an aligned huge page of the memfd, mapped in order at an
+        # address aligned the same way, is collapsed into one huge page (populated pages only).
+        # Faults already map huge pages where shmem_huge_pages() says so, but only into mappings
+        # that cover a whole huge page: never into runs mapped a few small pages at a time.
+        fits = bool(huge) and (page_size % huge == 0 or huge % page_size == 0)
+        granted = self.huge_pages and shmem_huge_pages()
+        self.huge_run = max(huge, page_size) if fits and populate and not granted else 0
+        self._run_pages = max(1, self.huge_run // page_size)
+        self.huge_extents: set[int] = set()  # runs (pool page // _run_pages) collapsed, not punched since
+        self._align = huge if self.huge_pages or self.huge_run else os_page
         self._fd = os.memfd_create("vmkv-pool", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, num_pages * page_size)
@@ -233,24 +242,35 @@ class HostDriver(MemoryDriver):
         if self.populate and _libc.madvise(addr, size, MADV_POPULATE_WRITE):
             flags = MAP_SHARED | MAP_FIXED | MAP_POPULATE  # refused (Linux < 5.14): 4 KiB pages
             self._mmap(addr, size, PROT_RW, flags, self._fd, offset, "map")
-            self._collapse = False  # and no MADV_COLLAPSE either
-        if self._collapse:
-            self._collapse_pages(addr, first_page, num_pages)
+            self.huge_run = 0  # and no MADV_COLLAPSE either
 
-    def _collapse_pages(self, addr: int, first_page: int, num_pages: int) -> None:
-        """Collapse the mapped pool pages not collapsed before (~0.7 ms per 2 MiB page, once).
+    def map(self, res: Reservation, offset: int, pages: Sequence[int]) -> None:
+        super().map(res, offset, pages)
+        if self.huge_run:
+            with self._lock:
+                self._collapse_runs(res, as_int(offset, "offset") // self.page_size, len(pages))
 
-        Advice: the first refusal stops every later try. A kernel without MADV_COLLAPSE refuses
-        them all, and one short of free 2 MiB memory would reclaim and compact memory on every
-        map call (collapsing does both whatever the defrag policy says)."""
-        for i in range(num_pages):
-            page = first_page + i
-            if page in self.collapsed_pages:
+    def _collapse_runs(self, res: Reservation, first: int, count: int) -> None:
+        """Collapse each huge page of res that mapping pages first..first+count-1 completed with
+        one aligned run of the memfd: ~0.7 ms per 2 MiB the first time (the kernel copies it into
+        a huge page, which the memfd keeps until a punch), ~0.05 ms for a run collapsed before.
+
+        Advice: a refusal other than EAGAIN (busy) stops every later try. A kernel without
+        MADV_COLLAPSE refuses them all, and one short of free 2 MiB memory would reclaim and
+        compact memory on every map call (collapsing does both whatever the defrag policy says).
+        """
+        per = self._run_pages
+        for start in range(first - first % per, first + count, per):
+            head = res.mapped.get(start)
+            if head is None or head % per or any(res.mapped.get(start + i) != head + i for i in range(per)):
                 continue
-            if _libc.madvise(addr + i * self.page_size, self.page_size, MADV_COLLAPSE):
-                self._collapse = False
+            if per == 1 and head in self.huge_extents:
+                continue  # one page a whole run: the fault mapped the huge page already
+            if _libc.madvise(res.base + start * self.page_size, self.huge_run, MADV_COLLAPSE) == 0:
+                self.huge_extents.add(head // per)
+            elif ctypes.get_errno() != errno.EAGAIN:
+                self.huge_run = 0
                 return
-            self.collapsed_pages.add(page)
 
     def _raw_unmap(self, addr: int, num_pages: int) -> None:
         self._mmap(
@@ -271,7 +291,7 @@ class HostDriver(MemoryDriver):
         mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
         if _libc.fallocate(self._fd, mode, page * self.page_size, self.page_size):
             raise _errno_error("fallocate(PUNCH_HOLE)")
-        self.collapsed_pages.discard(page)
+        self.huge_extents.discard(page // self._run_pages)
 
     def _raw_close(self) -> None:
         os.close(self._fd)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import signal
@@ -455,7 +457,7 @@ def test_huge_page_sized_pages_ask_for_huge_pages_and_get_them_where_granted():
         if shmem_huge_pages():
             assert huge or thp_file_fallbacks() > fallbacks
         else:
-            assert huge == (res.mapped[1] in d.collapsed_pages)
+            assert huge == (res.mapped[1] in d.huge_extents)
         v = d.view(res, torch.int64, (MIB2 // 8,), offset=MIB2)
         v[:] = 7
         assert int(v.sum()) == 7 * MIB2 // 8
@@ -474,7 +476,7 @@ def test_a_collapsed_pool_page_maps_huge_elsewhere_keeps_its_data_and_is_forgott
         res = d.reserve(MIB2)
         [page] = d.alloc(1)
         d.map(res, 0, [page])
-        if page not in d.collapsed_pages:
+        if page not in d.huge_extents:
             pytest.skip("this kernel has no MADV_COLLAPSE, or no free 2 MiB of memory now")
         d.view(res, torch.int64, (MIB2 // 8,))[:] = 5
         d.unmap(res, 0)
@@ -484,7 +486,7 @@ def test_a_collapsed_pool_page_maps_huge_elsewhere_keeps_its_data_and_is_forgott
         assert int(d.view(other, torch.int64, (MIB2 // 8,)).sum()) == 5 * MIB2 // 8
         d.unmap(other, 0)
         d.free([page], punch=True)
-        assert page not in d.collapsed_pages  # its memory went back to the OS
+        assert page not in d.huge_extents  # its memory went back to the OS
 
 
 @pytest.mark.skipif(
@@ -500,6 +502,7 @@ def test_a_refused_collapse_stops_every_later_try(monkeypatch):
         def madvise(self, addr, size, advice):
             if advice == host.MADV_COLLAPSE:
                 tries.append(addr)
+                ctypes.set_errno(errno.EINVAL)
                 return -1
             return real.madvise(addr, size, advice)
 
@@ -508,10 +511,34 @@ def test_a_refused_collapse_stops_every_later_try(monkeypatch):
         res = d.reserve(3 * MIB2)
         d.map(res, 0, d.alloc(2))
         d.map(res, 2 * MIB2, d.alloc(1))
-        assert len(tries) == 1 and not d.collapsed_pages  # compaction is not retried per map
+        assert len(tries) == 1 and not d.huge_extents  # compaction is not retried per map
         v = d.view(res, torch.int64, (3 * MIB2 // 8,))
         v[:] = 2  # the pages work at 4 KiB
         assert int(v.sum()) == 3 * MIB2 // 4
+
+
+@pytest.mark.skipif(huge_page_size() != MIB2, reason="the kernel has no 2 MiB transparent huge pages")
+def test_a_run_of_small_pages_filling_an_aligned_huge_page_is_collapsed_into_one():
+    with HostDriver(num_pages=64, page_size=PS, populate=True) as d:
+        assert d.huge_run == MIB2
+        res = d.reserve(2 * MIB2)
+        assert res.base % MIB2 == 0
+        pages = d.alloc(64)
+        for first in range(0, 32, 8):  # as a slot grows: 512 KiB at a time
+            d.map(res, first * PS, pages[first : first + 8])
+            d.view(res, torch.int16, (8 * PS // 2,), offset=first * PS)[:] = first
+        # pool pages 1..32 (not an aligned run of the memfd) in the second huge page: left alone
+        d.unmap(res, 0, 32)
+        d.map(res, MIB2, pages[1:33])
+        if 0 not in d.huge_extents:
+            pytest.skip("this kernel has no MADV_COLLAPSE, or no free 2 MiB of memory now")
+        assert d.huge_extents == {0}
+        assert vma(res.base + MIB2, "smaps")[1]["ShmemPmdMapped"] == 0
+        d.unmap(res, MIB2, 32)
+        d.map(res, 0, pages[:32])  # the collapsed run again: one huge page at once
+        assert vma(res.base, "smaps")[1]["ShmemPmdMapped"] == MIB2 // 1024
+        v = d.view(res, torch.int16, (MIB2 // 2,))
+        assert all(int(v[first * PS // 2]) == first for first in range(0, 32, 8))  # data kept
 
 
 def thp_anon_fallbacks() -> int:

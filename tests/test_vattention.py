@@ -14,6 +14,7 @@ from vmkv.drivers import HostDriver, RawCallError
 from vmkv.kv_cache import KVShape, OutOfKVMemory, SeqStep, SequenceTooLong, StepBatch, UpcomingPrompt
 from vmkv.vattention import VAttentionConfig, VAttentionKVCache
 from vmkv.vattention.geometry import SlotGeometry
+from vmkv.vattention.pool import PageSetPool
 
 # 128 B per token per tensor: 32 tokens per 4 KiB page token-major, 64 per page head-major.
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
@@ -366,6 +367,66 @@ def test_mapper_premaps_idle_slots_so_an_admission_maps_nothing_on_the_step_thre
     cache.admit(2, [0] * 40)
     assert cache.stats().map_calls_critical == 0 and cache.stats().page_sets_reused == 10
     check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_a_growing_slot_continues_its_run_while_the_reserve_gives_up_pages() -> None:
+    # four idle slots of 5 pre-mapped sets spread over 32 (0, 11, 18, 27); the admitted one grows
+    # to 25 sets: the reserve gives up as many (the held total stays), but the slot's physical
+    # run goes on unbroken, where a layer-packed run would become huge pages
+    cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=40, premap_fraction=0.625)
+    cache.wait_mapper()
+    assert sorted(s.sets[0] for s in cache.table.slots if s.sets) == [0, 11, 18, 27]
+    cache.admit(1, [0] * 37)
+    write(cache, [SeqStep(1, 0, 37)], {1: 1.0})
+    for t in range(37, 200):
+        cache.grow(1, [0])
+        write(cache, [SeqStep(1, t, 1)], {1: 1.0})
+    cache.wait_mapper()
+    assert cache.stats().page_sets_reclaimed > 0
+    assert cache.table.slots[cache.seqs[1].slot].sets == list(range(25))
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
+def test_layer_packed_slots_span_whole_huge_page_runs_and_start_on_one() -> None:
+    """With 64 KiB pages a 2 MiB run is 32 pages: a packed column is whole runs, so every slot
+    starts on one, and a fresh slot's first set is a multiple of 32; per-layer orders keep
+    their columns (their rows are not a page apart)."""
+    smollm = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    packed = SlotGeometry(smollm, 2048, 4, 64 << 10, "packed", huge_run=2 << 20)
+    assert packed.run_pages == 32 and packed.column_pages == 736  # 720 pages hold 2,048 tokens
+    assert packed.slot_bytes % (2 << 20) == 0
+    assert SlotGeometry(smollm, 2048, 4, 64 << 10, "packed").column_pages == 720
+    for order in ("token", "head"):
+        plain = SlotGeometry(smollm, 2048, 4, 64 << 10, order)
+        assert (
+            SlotGeometry(smollm, 2048, 4, 64 << 10, order, huge_run=2 << 20).column_pages
+            == plain.column_pages
+        )
+    pool = PageSetPool(list(range(256)), units=1, run=32)
+    starts = [pool.take(10, None)[0] for _ in range(4)]
+    assert starts == [0, 128, 64, 192]  # middles of the largest free runs, rounded down to runs
+    unaligned = PageSetPool(list(range(256)), units=1)
+    assert [unaligned.take(10, None)[0] for _ in range(2)] == [0, 133]
+
+
+def test_a_layer_packed_slot_at_64_kib_pages_reads_its_full_runs_through_huge_pages() -> None:
+    smollm = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    cache = VAttentionKVCache(smollm, 512, 256 << 16, page_size=1 << 16, order="packed", **STRICT)
+    if not cache.driver.huge_run:
+        pytest.skip("no 2 MiB transparent huge pages here, or pages are not populated")
+    cache.admit(1, [0] * 200)  # 71 pages of 23,040-byte tokens: two full runs of 32, and 7
+    slot = cache.table.slots[cache.seqs[1].slot]
+    if not cache.driver.huge_extents:
+        assert not cache.driver.huge_run  # the kernel refused MADV_COLLAPSE: collapsing stopped
+        pytest.skip("this kernel cannot collapse shared memory")
+    first = slot.sets[0]
+    assert first % 32 == 0 and cache.driver.huge_extents == {first // 32, first // 32 + 1}
+    start = cache.mapping.k[0][slot.index].data_ptr()
+    with open("/proc/self/smaps") as f:  # the slot's mapping, its two full runs PMD-mapped
+        fields = f.read().split(f"{start:x}-")[1].split("VmFlags")[0]
+    assert "ShmemPmdMapped:     4096 kB" in fields
     cache.close()
 
 

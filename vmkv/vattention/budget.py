@@ -67,5 +67,7 @@ def size_cache(
         driver = HostDriver(num_sets * probe.units, page_size, populate=cfg.populate)
     elif (target.type, target.index or 0) != (driver.device.type, driver.device.index or 0):
         raise ValueError(f"device {device} differs from the driver's {driver.device}")
-    geometry = dataclasses.replace(probe, max_slots=cfg.max_slots or min(num_sets, 256))
+    geometry = dataclasses.replace(
+        probe, max_slots=cfg.max_slots or min(num_sets, 256), huge_run=driver.huge_run
+    )
     return Sizing(cfg, driver, owns_driver, geometry, num_sets)

@@ -35,6 +35,7 @@ class SlotGeometry:
     max_slots: int
     page_size: int
     order: str
+    huge_run: int = 0  # the driver's (MemoryDriver.huge_run): packed slots start on such runs
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -80,9 +81,19 @@ class SlotGeometry:
         return per_region * self.row_elems * self.itemsize // self.columns
 
     @cached_property
+    def run_pages(self) -> int:
+        """Pages of a huge-page run that a layer-packed slot keeps aligned, so that its full runs
+        become huge pages (1: none). Only that order: its rows of one layer are a page apart, so
+        it is the one whose reads the TLB slows (docs/vattention.md, "Huge pages")."""
+        if self.order != "packed" or self.huge_run <= self.page_size or self.huge_run % self.page_size:
+            return 1
+        return self.huge_run // self.page_size
+
+    @cached_property
     def column_pages(self) -> int:
-        """Pages of a full (max_len) column."""
-        return -(-self.max_len * self.column_token_bytes // self.page_size)
+        """Pages of a full (max_len) column, in whole runs so every slot starts on one."""
+        pages = -(-self.max_len * self.column_token_bytes // self.page_size)
+        return -(-pages // self.run_pages) * self.run_pages
 
     @cached_property
     def column_bytes(self) -> int:

@@ -99,7 +99,7 @@ class SlotMapping:
         self._pages: list[int] = []
         try:
             self._pages = driver.alloc(num_sets * geometry.units)
-            self.pool = PageSetPool(self._pages, geometry.units)
+            self.pool = PageSetPool(self._pages, geometry.units, geometry.run_pages)
             self._reserve(dtype, combined_reservation)
         except BaseException:
             self.give_back()

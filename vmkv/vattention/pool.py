@@ -18,8 +18,11 @@ import numpy as np
 class PageSetPool:
     """Free page sets as a bitmap, so allocation can continue a slot's physical run."""
 
-    def __init__(self, pages: Sequence[int], units: int) -> None:
+    def __init__(self, pages: Sequence[int], units: int, run: int = 1) -> None:
+        """run: a slot with no pages starts on a multiple of this many sets, so that where
+        set ids are pool pages (one unit) its runs line up with the driver's huge pages."""
         self.units = units
+        self.run = run
         self.num_sets = len(pages) // units
         if self.num_sets < 1:
             raise ValueError(f"{len(pages)} pages make no page set of {units} pages")
@@ -43,6 +46,9 @@ class PageSetPool:
     def free_count(self) -> int:
         return self._free_count
 
+    def is_free(self, set_id: int) -> bool:
+        return bool(self._free[set_id % self.num_sets])
+
     def physical(self, set_id: int, unit: int) -> int:
         return self._pages[unit * self.num_sets + set_id]
 
@@ -56,7 +62,7 @@ class PageSetPool:
         if n > self._free_count:
             raise ValueError(f"{n} page sets requested, {self._free_count} free")
         out = []
-        want = self._middle_of_largest_run() if prefer is None else prefer % self.num_sets
+        want = self._start_of_new_run() if prefer is None else prefer % self.num_sets
         for _ in range(n):
             if not self._free[want]:
                 after = self._free[want:]
@@ -71,13 +77,23 @@ class PageSetPool:
         self.peak_held = max(self.peak_held, self.num_sets - self._free_count)
         return out
 
-    def _middle_of_largest_run(self) -> int:
+    def _start_of_new_run(self) -> int:
+        """The middle of the largest free run, rounded down to a multiple of self.run inside it
+        (up if that leaves it; the middle itself if neither is inside); a run at the very
+        start begins at 0."""
         edges = np.diff(np.concatenate(([0], self._free.view(np.int8), [0])))
         starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
         if not len(starts):
             return 0
         i = int((ends - starts).argmax())
-        return int(starts[i] + ends[i]) // 2 if starts[i] else 0  # a run at the very start begins at 0
+        start, end = int(starts[i]), int(ends[i])
+        if not start:
+            return 0
+        middle = (start + end) // 2
+        want = middle - middle % self.run
+        if want < start:
+            want += self.run
+        return want if want < end else middle
 
     def resident_free(self, freed_before: float | None) -> list[int]:
         """Free sets whose memory the OS may still back (used since it last went back), free

@@ -198,13 +198,19 @@ class SlotTable:
                     self.mapping.map_sets(slot, self.pool.take(want, self.prefer(slot)), background=False)
 
     def take(self, n: int, slot: Slot) -> list[int]:
-        """n page sets for `slot` to map now: the pre-mapped reserve's first (so a sequence that
-        maps converts the reserve instead of adding to the held total, and finds their memory
-        populated), then free ones, reclaiming kept pages when short (checked by require)."""
+        """n page sets for `slot` to map now. The pre-mapped reserve gives up as many (so a
+        sequence that maps converts the reserve instead of adding to the held total), and
+        they are taken unless the slot's run goes on free: an unbroken run of a layer-packed
+        slot becomes huge pages (geometry.run_pages), which the decode reads faster than
+        populated memory saves at its first map. Kept pages are reclaimed when short (checked
+        by require)."""
         spare = self._release_reserve(n, exclude=slot)
         if n > self.pool.free_count:
             self._reclaim(n - self.pool.free_count, exclude=slot)
-        return self.pool.take(n, spare[0] if spare else self.prefer(slot))
+        after = self.prefer(slot)
+        if spare and (after is None or not self.pool.is_free(after)):
+            after = spare[0]
+        return self.pool.take(n, after)
 
     def _release_reserve(self, n: int, exclude: Slot) -> list[int]:
         """Unmap up to n sets from the tails of private idle slots (the reserve), highest slot
