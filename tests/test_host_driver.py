@@ -432,11 +432,12 @@ def vm_flags(addr: int) -> list[str]:
     raise AssertionError(f"address {addr:#x} is in no mapping")
 
 
-def thp_file_fallbacks() -> int:
-    """Huge pages the kernel wanted for files (shmem included) but could not allocate."""
+def vmstat(counter: str) -> int:
+    """A kernel counter: thp_file_fallback (huge pages wanted for files, shmem included, but not
+    allocated), thp_fault_fallback (the same for private memory)."""
     with open("/proc/vmstat") as f:
         counters = dict(line.split() for line in f)
-    return int(counters.get("thp_file_fallback", 0))
+    return int(counters.get(counter, 0))
 
 
 @pytest.mark.skipif(huge_page_size() != MIB2, reason="the kernel has no 2 MiB transparent huge pages")
@@ -445,7 +446,7 @@ def test_huge_page_sized_pages_ask_for_huge_pages_and_get_them_where_granted():
         assert d.huge_pages
         res = d.reserve(3 * MIB2)
         assert res.base % MIB2 == 0  # a huge page must start on a huge-page boundary
-        fallbacks = thp_file_fallbacks()
+        fallbacks = vmstat("thp_file_fallback")
         d.map(res, MIB2, d.alloc(1))
         assert "hg" in vm_flags(res.base + MIB2)
         _, fields = vma(res.base + MIB2, "smaps")
@@ -455,7 +456,7 @@ def test_huge_page_sized_pages_ask_for_huge_pages_and_get_them_where_granted():
         # driver collapses the populated page instead, where the kernel can (Linux 6.1+).
         huge = fields["ShmemPmdMapped"] == MIB2 // 1024
         if shmem_huge_pages():
-            assert huge or thp_file_fallbacks() > fallbacks
+            assert huge or vmstat("thp_file_fallback") > fallbacks
         else:
             assert huge == (res.mapped[1] in d.huge_extents)
         v = d.view(res, torch.int64, (MIB2 // 8,), offset=MIB2)
@@ -541,16 +542,9 @@ def test_a_run_of_small_pages_filling_an_aligned_huge_page_is_collapsed_into_one
         assert all(int(v[first * PS // 2]) == first for first in range(0, 32, 8))  # data kept
 
 
-def thp_anon_fallbacks() -> int:
-    """Huge pages the kernel wanted for private memory but could not allocate."""
-    with open("/proc/vmstat") as f:
-        counters = dict(line.split() for line in f)
-    return int(counters.get("thp_fault_fallback", 0))
-
-
 @pytest.mark.skipif(huge_page_size() != MIB2, reason="the kernel has no 2 MiB transparent huge pages")
 def test_a_tensor_on_huge_pages_starts_zeroed_populated_on_a_huge_page_boundary():
-    fallbacks = thp_anon_fallbacks()
+    fallbacks = vmstat("thp_fault_fallback")
     t = zeros_on_huge_pages((2, MIB2 // 2), torch.bfloat16)  # two huge pages
     assert t.shape == (2, MIB2 // 2) and t.dtype == torch.bfloat16 and not t.any()
     assert t.data_ptr() % MIB2 == 0
@@ -560,7 +554,7 @@ def test_a_tensor_on_huge_pages_starts_zeroed_populated_on_a_huge_page_boundary(
     # "madvise" and "always" grant them to private memory, or the kernel counts a fallback when it
     # finds no free 2 MiB of memory; "never" leaves 4 KiB pages.
     if anon_huge_pages():
-        assert fields["AnonHugePages"] == 2 * MIB2 // 1024 or thp_anon_fallbacks() > fallbacks
+        assert fields["AnonHugePages"] == 2 * MIB2 // 1024 or vmstat("thp_fault_fallback") > fallbacks
     t[1] = 3
     assert float(t.float().sum()) == 3 * MIB2 // 2
 
