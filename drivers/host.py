@@ -252,8 +252,9 @@ class HostDriver(MemoryDriver):
 
     def _collapse_runs(self, res: Reservation, first: int, count: int) -> None:
         """Collapse each huge page of res that mapping pages first..first+count-1 completed with
-        one aligned run of the memfd: ~0.7 ms per 2 MiB the first time (the kernel copies it into
-        a huge page, which the memfd keeps until a punch), ~0.05 ms for a run collapsed before.
+        one aligned run of the memfd: 0.7-0.9 ms per 2 MiB the first time (the kernel copies it
+        into a huge page, which the memfd keeps until a punch), ~0.14 ms for a run of 64 KiB
+        pages collapsed before (docs/vattention.md, "Huge pages at 64 KiB pages").
 
         Advice: a refusal other than EAGAIN (busy) stops every later try. A kernel without
         MADV_COLLAPSE refuses them all, and one short of free 2 MiB memory would reclaim and
