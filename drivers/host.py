@@ -245,9 +245,9 @@ class HostDriver(MemoryDriver):
             self.huge_run = 0  # and no MADV_COLLAPSE either
 
     def map(self, res: Reservation, offset: int, pages: Sequence[int]) -> None:
-        super().map(res, offset, pages)
-        if self.huge_run:
-            with self._lock:
+        with self._lock:  # one hold (the lock is reentrant): no unmap or release in between
+            super().map(res, offset, pages)
+            if self.huge_run:
                 self._collapse_runs(res, as_int(offset, "offset") // self.page_size, len(pages))
 
     def _collapse_runs(self, res: Reservation, first: int, count: int) -> None:
