@@ -518,6 +518,38 @@ def test_a_refused_collapse_stops_every_later_try(monkeypatch):
         assert int(v.sum()) == 3 * MIB2 // 4
 
 
+@pytest.mark.skipif(
+    huge_page_size() != MIB2 or shmem_huge_pages(), reason="needs 2 MiB THP that faults do not grant shmem"
+)
+def test_a_fresh_run_is_collapsed_before_its_pages_are_touched_and_reads_zero(monkeypatch):
+    real, calls = host._libc, []
+
+    class Recording:  # the C library, recording each madvise
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def madvise(self, addr, size, advice):
+            calls.append((advice, addr, size))
+            return real.madvise(addr, size, advice)
+
+    monkeypatch.setattr(host, "_libc", Recording())
+    with HostDriver(num_pages=32, page_size=PS, populate=True) as d:
+        res = d.reserve(MIB2)
+        d.map(res, 0, d.alloc(32))
+        if 0 not in d.huge_extents:
+            pytest.skip("this kernel has no MADV_COLLAPSE, or no free 2 MiB of memory now")
+        # one OS page touched (collapsing needs one present), collapsed, then populated: the
+        # kernel zero-fills the rest, so no page is faulted in at 4 KiB only to be copied
+        touch, populate = (
+            (host.MADV_POPULATE_WRITE, res.base, mmap.PAGESIZE),
+            (host.MADV_POPULATE_WRITE, res.base, MIB2),
+        )
+        assert calls == [touch, (host.MADV_COLLAPSE, res.base, MIB2), populate]
+        _, fields = vma(res.base, "smaps")
+        assert fields["ShmemPmdMapped"] == fields["Rss"] == MIB2 // 1024
+        assert int(d.view(res, torch.int64, (MIB2 // 8,)).abs().sum()) == 0
+
+
 @pytest.mark.skipif(huge_page_size() != MIB2, reason="the kernel has no 2 MiB transparent huge pages")
 def test_a_run_of_small_pages_filling_an_aligned_huge_page_is_collapsed_into_one():
     with HostDriver(num_pages=64, page_size=PS, populate=True) as d:
