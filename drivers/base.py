@@ -98,6 +98,9 @@ class MemoryDriver(ABC):
     # bytes of consecutive pool pages, starting at a multiple of this, that the driver backs with
     # one huge page when they are mapped in order at an address aligned the same way (0: none)
     huge_run: int = 0
+    # the whole pool is backed from the start (HostDriver(preallocate=True)), so punching pages
+    # back to the OS would only undo what was asked for
+    preallocated: bool = False
 
     def __init__(self, page_size: int, num_pages: int, debug: bool = False) -> None:
         page_size = as_int(page_size, "page_size")

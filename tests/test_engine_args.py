@@ -39,6 +39,7 @@ def test_defaults_are_the_config_defaults() -> None:
             block_size=32,
             page_size=4096,
             kv_order="head",
+            kv_preallocate=True,
             enable_prefix_caching=False,
             seed=7,
             num_threads=2,

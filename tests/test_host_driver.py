@@ -550,6 +550,21 @@ def test_a_fresh_run_is_collapsed_before_its_pages_are_touched_and_reads_zero(mo
         assert int(d.view(res, torch.int64, (MIB2 // 8,)).abs().sum()) == 0
 
 
+def test_a_preallocated_pool_is_backed_before_any_map_and_maps_without_allocating():
+    with HostDriver(num_pages=96, page_size=PS, populate=True, preallocate=True) as d:
+        assert d.preallocated and os.fstat(d._fd).st_blocks * 512 == 96 * PS  # every page backed
+        assert d.huge_extents <= {0, 1, 2}  # runs of 32 pages collapsed as map() would, where it can
+        res = d.reserve(MIB2)
+        d.map(res, 0, d.alloc(32))
+        v = d.view(res, torch.int64, (MIB2 // 8,))
+        assert int(v.abs().sum()) == 0
+        if 0 in d.huge_extents:
+            assert vma(res.base, "smaps")[1]["ShmemPmdMapped"] == MIB2 // 1024
+        d.unmap(res, 0, 32)
+    with HostDriver(num_pages=4, page_size=PS) as d:
+        assert not d.preallocated and os.fstat(d._fd).st_blocks == 0  # backed as pages are mapped
+
+
 @pytest.mark.skipif(huge_page_size() != MIB2, reason="the kernel has no 2 MiB transparent huge pages")
 def test_a_run_of_small_pages_filling_an_aligned_huge_page_is_collapsed_into_one():
     with HostDriver(num_pages=64, page_size=PS, populate=True) as d:

@@ -345,6 +345,24 @@ def test_memory_pressure_trims_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     cache.close()
 
 
+def test_a_preallocated_pool_keeps_its_memory_when_trimmed(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = make_cache(prefix_caching=False, kept_watermark=0.0, kept_idle_seconds=3600.0, preallocate=True)
+    assert cache.driver.preallocated
+    cache.admit(0, [1] * 100)
+    cache.free(0)
+    monkeypatch.setattr(vattention_cache, "memory_pressure", lambda fraction: True)
+    cache._trim_if_due()
+    assert cache.stats().units_kept == 0 and cache.stats().pages_returned == 0  # unmapped, kept backed
+    cache.close()
+
+
+def test_preallocation_is_refused_for_a_driver_the_cache_is_given() -> None:
+    driver = HostDriver(8 * UNITS, PAGE)
+    with pytest.raises(ValueError, match="preallocate"):
+        make_cache(driver=driver, preallocate=True)
+    driver.close()
+
+
 class OnePagePerCallDriver(HostDriver):
     """CUDA's mapping rules on host memory: one page per map call, and memory kept on free."""
 

@@ -115,6 +115,14 @@ def add_engine_arguments(
         "sequences per budget), token or head (a range per layer's K and V); auto: packed",
     )
     add(
+        "kv_preallocate",
+        "--kv-preallocate",
+        action=argparse.BooleanOptionalAction,
+        default=d.kv_preallocate,
+        help="back vattention's whole KV budget at start, as the paged pool is (CPU), instead of "
+        "as pages are first mapped; memory is then never given back to the OS",
+    )
+    add(
         "enable_prefix_caching",
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -199,6 +207,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
         "--preemption-mode", config.preemption_mode,
         "--block-size", str(config.block_size),
         "--kv-order", config.kv_order,
+        "--kv-preallocate" if config.kv_preallocate else "--no-kv-preallocate",
         "--seed", str(config.seed),
         "--prefix-caching" if config.enable_prefix_caching else "--no-prefix-caching",
         "--compile" if config.compile_model else "--no-compile",

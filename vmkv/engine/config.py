@@ -42,6 +42,9 @@ class EngineConfig:
     # "auto" is layer-packed, the most sequences per budget; "token" and "head" (one range per
     # layer's K and V) hold fewer but were ~1.2x faster offline on an AMX Xeon (docs/vattention.md)
     kv_order: str = "auto"
+    # vattention layout on the CPU only: back the whole KV budget at start, as the paged pool is,
+    # instead of as pages are first mapped (docs/vattention.md, "Backing the pool up front")
+    kv_preallocate: bool = False
     enable_prefix_caching: bool = True  # paged and vattention layouts
     seed: int = 0  # for requests that give no seed of their own
     # torch's intra-op threads for the engine's process; None leaves torch's default (one per core)

@@ -31,6 +31,8 @@ def build_kv_cache(
             options["order"] = config.kv_order
         if config.page_size is not None:
             options["page_size"] = config.page_size
+        if config.kv_preallocate:
+            options["preallocate"] = True
         return (vattention or VAttentionKVCache)(
             shape,
             config.max_model_len,

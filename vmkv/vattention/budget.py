@@ -59,12 +59,14 @@ def size_cache(
             f"a budget of {budget_pages} pages holds no page set ({probe.units} pages of {page_size} B)"
         )
     owns_driver = driver is None
+    if cfg.preallocate and (not owns_driver or target.type != "cpu"):
+        raise ValueError("preallocate backs a CPU pool the cache builds, not a given driver's or a GPU's")
     if driver is None and target.type == "cuda":
         driver = CudaDriver(num_sets * probe.units, page_size, device=target.index or 0)
     elif driver is None:
         if target.type != "cpu":
             raise ValueError(f"no memory driver for device {target}")
-        driver = HostDriver(num_sets * probe.units, page_size, populate=cfg.populate)
+        driver = HostDriver(num_sets * probe.units, page_size, cfg.populate, cfg.preallocate)
     elif (target.type, target.index or 0) != (driver.device.type, driver.device.index or 0):
         raise ValueError(f"device {device} differs from the driver's {driver.device}")
     geometry = dataclasses.replace(

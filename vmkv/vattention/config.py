@@ -39,6 +39,9 @@ class VAttentionConfig:
     # median pair (docs/vattention.md, "A few pages a job").
     ahead_bytes: int = 512 << 10
     populate: bool = True  # pre-fault pages at map time (only for a driver this cache builds)
+    # back the whole pool when the cache is built (a CPU driver this cache builds), as the paged
+    # pool is: no step maps memory the machine never touched, and none goes back to the OS
+    preallocate: bool = False
     max_padding: float = DEFAULT_MAX_PADDING
     group_pad_pages: int = 1  # pages a decode may get beyond its needs to join a batched call
     # pre-mapped idle slots for admissions (the reserve): with the mapper and deferred reclamation

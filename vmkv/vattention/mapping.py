@@ -253,7 +253,7 @@ class SlotMapping:
         takes the same ones back at once, which is safe only when nobody else allocates there.
         """
         sets = self.pool.resident_free(freed_before)
-        if not self._owns_driver or not sets:
+        if not self._owns_driver or self.driver.preallocated or not sets:
             return
         pages = [self.pool.physical(s, u) for s in sets for u in range(self.geometry.units)]
         self.driver.free(pages, punch=True)
