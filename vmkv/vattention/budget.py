@@ -60,7 +60,10 @@ def size_cache(
         )
     owns_driver = driver is None
     if cfg.preallocate and (not owns_driver or target.type != "cpu"):
-        raise ValueError("preallocate backs a CPU pool the cache builds, not a given driver's or a GPU's")
+        raise ValueError(
+            "preallocate backs the CPU pool a cache builds: a given driver backs its own pages, "
+            "and the GPU driver creates every page at start"
+        )
     if driver is None and target.type == "cuda":
         driver = CudaDriver(num_sets * probe.units, page_size, device=target.index or 0)
     elif driver is None:
