@@ -224,11 +224,8 @@ class HostDriver(MemoryDriver):
                 self._mmap(addr, size, PROT_RW, MAP_SHARED | MAP_FIXED, self._fd, 0, "map")
                 _libc.madvise(addr, size, MADV_HUGEPAGE)
                 for offset in range(0, size - self.huge_run + 1, self.huge_run):
-                    _libc.madvise(addr + offset, mmap.PAGESIZE, MADV_POPULATE_WRITE)
-                    if _libc.madvise(addr + offset, self.huge_run, MADV_COLLAPSE) == 0:
-                        self.huge_extents.add(offset // self.huge_run)
-                    elif ctypes.get_errno() != errno.EAGAIN:
-                        self.huge_run = 0  # as map() does: no later try either
+                    self._collapse(addr + offset, offset // self.huge_run, fresh=True)
+                    if not self.huge_run:
                         break
             finally:
                 self._raw_release(addr, size)
@@ -301,21 +298,25 @@ class HostDriver(MemoryDriver):
                 continue
             if any(res.mapped.get(start + i) != head + i for i in range(1, per)):
                 continue
-            addr = res.base + start * self.page_size
-            if head // per not in self.huge_extents:
-                _libc.madvise(addr, mmap.PAGESIZE, MADV_POPULATE_WRITE)
-            elif per == 1:
-                continue  # one page a whole run: populating maps the huge page
-            if _libc.madvise(addr, self.huge_run, MADV_COLLAPSE) == 0:
-                self.huge_extents.add(head // per)
-            elif ctypes.get_errno() != errno.EAGAIN:
-                self.huge_run = 0
+            fresh = head // per not in self.huge_extents
+            if fresh or per > 1:  # a whole collapsed run of one page: populating maps the huge page
+                self._collapse(res.base + start * self.page_size, head // per, fresh)
         if _libc.madvise(res.base + first * self.page_size, count * self.page_size, MADV_POPULATE_WRITE):
-            self.huge_run = 0  # refused (Linux < 5.14): map again populated, at 4 KiB pages
-            flags = MAP_SHARED | MAP_FIXED | MAP_POPULATE
+            self.huge_run = 0  # refused (Linux < 5.14): map again, populated, at 4 KiB pages
             for i in range(first, first + count):
-                addr, offset = res.base + i * self.page_size, res.mapped[i] * self.page_size
-                self._mmap(addr, self.page_size, PROT_RW, flags, self._fd, offset, "map")
+                self._raw_map(res.base + i * self.page_size, res.mapped[i], 1)
+
+    def _collapse(self, addr: int, run: int, fresh: bool) -> None:
+        """Collapse the huge page at addr, memfd run `run`, into one huge page. A fresh run (not
+        collapsed before) first gets its first OS page touched: collapsing wants one present,
+        and fills the rest from the zeroed huge page. A refusal other than EAGAIN (busy) sets
+        huge_run to 0, which stops every later try."""
+        if fresh:
+            _libc.madvise(addr, mmap.PAGESIZE, MADV_POPULATE_WRITE)
+        if _libc.madvise(addr, self.huge_run, MADV_COLLAPSE) == 0:
+            self.huge_extents.add(run)
+        elif ctypes.get_errno() != errno.EAGAIN:
+            self.huge_run = 0
 
     def _raw_unmap(self, addr: int, num_pages: int) -> None:
         self._mmap(

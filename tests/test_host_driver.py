@@ -565,6 +565,30 @@ def test_a_preallocated_pool_is_backed_before_any_map_and_maps_without_allocatin
         assert not d.preallocated and os.fstat(d._fd).st_blocks == 0  # backed as pages are mapped
 
 
+def test_a_kernel_that_refuses_populate_advice_gets_its_pages_mapped_populated(monkeypatch):
+    real = host._libc
+
+    class OldKernel:  # the C library of a kernel before 5.14: no MADV_POPULATE_WRITE
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def madvise(self, addr, size, advice):
+            if advice == host.MADV_POPULATE_WRITE:
+                ctypes.set_errno(errno.EINVAL)
+                return -1
+            return real.madvise(addr, size, advice)
+
+    monkeypatch.setattr(host, "_libc", OldKernel())
+    with HostDriver(num_pages=32, page_size=PS, populate=True) as d:
+        res = d.reserve(MIB2)
+        d.map(res, 0, d.alloc(32))
+        assert not d.huge_run  # nothing more is collapsed where populating fails
+        assert vma(res.base, "smaps")[1]["Rss"] == MIB2 // 1024  # populated all the same
+        v = d.view(res, torch.int64, (MIB2 // 8,))
+        v[:] = 3
+        assert int(v.sum()) == 3 * MIB2 // 8
+
+
 @pytest.mark.skipif(huge_page_size() != MIB2, reason="the kernel has no 2 MiB transparent huge pages")
 def test_a_run_of_small_pages_filling_an_aligned_huge_page_is_collapsed_into_one():
     with HostDriver(num_pages=64, page_size=PS, populate=True) as d:
