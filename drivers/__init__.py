@@ -7,6 +7,7 @@ from .errors import (
     DriverClosedError,
     DriverError,
     DriverUnavailableError,
+    HostMemoryError,
     InvalidOffsetError,
     NotMappedError,
     PageStateError,
@@ -18,6 +19,8 @@ from .host import (
     HostDriver,
     anon_huge_pages,
     huge_page_size,
+    memory_info,
+    require_available,
     shmem_huge_pages,
     zeros_on_huge_pages,
 )
@@ -31,6 +34,7 @@ __all__ = [
     "DriverStats",
     "DriverUnavailableError",
     "HostDriver",
+    "HostMemoryError",
     "InvalidOffsetError",
     "MemoryDriver",
     "NotMappedError",
@@ -40,6 +44,8 @@ __all__ = [
     "Reservation",
     "anon_huge_pages",
     "huge_page_size",
+    "memory_info",
+    "require_available",
     "shmem_huge_pages",
     "zeros_on_huge_pages",
 ]

@@ -39,5 +39,18 @@ class PoolExhaustedError(DriverError, MemoryError):
         self.total = total
 
 
+class HostMemoryError(DriverError, MemoryError):
+    """Memory to be backed now is more than the machine has available. Raised before any of it
+    is touched: populating it would only get the process killed by the kernel's OOM killer."""
+
+    def __init__(self, what: str, requested: int, available: int) -> None:
+        super().__init__(
+            f"{what} needs {requested / 2**20:,.1f} MiB and this machine has {available / 2**20:,.1f} "
+            "MiB available: give the KV cache a smaller budget"
+        )
+        self.requested = requested
+        self.available = available
+
+
 class RawCallError(DriverError, OSError):
     """The OS or CUDA driver rejected a call the bookkeeping considered valid."""

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from .base import MemoryDriver, Reservation, as_int
-from .errors import DriverUnavailableError, RawCallError
+from .errors import DriverUnavailableError, HostMemoryError, RawCallError
 
 PROT_NONE = 0x0
 PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
@@ -96,6 +96,25 @@ def anon_huge_pages() -> bool:
     per_size = _sysfs_choice(f"{THP_SYSFS}/hugepages-{size // 1024}kB/enabled")
     policy = _sysfs_choice(f"{THP_SYSFS}/enabled") if per_size in ("", "inherit") else per_size
     return policy in ("always", "madvise")
+
+
+def memory_info() -> tuple[int, int] | None:
+    """(available, total) bytes of this machine's memory: /proc/meminfo's MemAvailable (what can
+    be allocated without swapping) and MemTotal; None where that file is not (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def require_available(nbytes: int, what: str) -> None:
+    """Raise HostMemoryError if `what`, nbytes to be backed now, is more than the machine has
+    available. Why before: past that, populating does not fail, the OOM killer ends the process."""
+    info = memory_info()
+    if info is not None and nbytes > info[0]:
+        raise HostMemoryError(what, nbytes, info[0])
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -184,6 +203,8 @@ class HostDriver(MemoryDriver):
                 f"page_size must be a positive multiple of the OS page size {os_page}, got {page_size}"
             )
         super().__init__(page_size, num_pages, debug)
+        if preallocate:
+            require_available(num_pages * page_size, "a preallocated pool")
         self.populate = populate
         huge = huge_page_size()
         self.huge_pages = bool(huge) and page_size % huge == 0  # asked for; shmem_huge_pages() grants

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-from vmkv.drivers import zeros_on_huge_pages
+from vmkv.drivers import require_available, zeros_on_huge_pages
 
 from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, SequenceTooLong, StepBatch
 
@@ -96,6 +96,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         self.pool = BlockPool(num_blocks)
         kv_shape = (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         if self.device.type == "cpu":  # blocks are read scattered: huge pages spare a TLB miss each
+            require_available(num_blocks * self.block_bytes, "the paged block pool")
             self.kv = zeros_on_huge_pages(kv_shape, shape.dtype)
         else:
             self.kv = torch.zeros(kv_shape, dtype=shape.dtype, device=self.device)

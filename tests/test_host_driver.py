@@ -23,6 +23,7 @@ from vmkv.drivers import (
     AlreadyMappedError,
     DriverClosedError,
     HostDriver,
+    HostMemoryError,
     InvalidOffsetError,
     NotMappedError,
     PageStateError,
@@ -30,6 +31,7 @@ from vmkv.drivers import (
     anon_huge_pages,
     host,
     huge_page_size,
+    memory_info,
     shmem_huge_pages,
     zeros_on_huge_pages,
 )
@@ -563,6 +565,27 @@ def test_a_preallocated_pool_is_backed_before_any_map_and_maps_without_allocatin
         d.unmap(res, 0, 32)
     with HostDriver(num_pages=4, page_size=PS) as d:
         assert not d.preallocated and os.fstat(d._fd).st_blocks == 0  # backed as pages are mapped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/meminfo is Linux's")
+def test_memory_info_reads_what_the_machine_has_available():
+    available, total = memory_info()
+    assert 0 < available <= total and total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_a_preallocated_pool_larger_than_available_memory_is_refused_before_anything_is_backed(monkeypatch):
+    """Populating more than the machine has does not fail: the OOM killer ends the process."""
+    monkeypatch.setattr(host, "memory_info", lambda: (4 * PS, 1 << 30))  # a machine with 256 KiB free
+    opened, memfd_create = [], os.memfd_create
+    monkeypatch.setattr(host.os, "memfd_create", lambda *a: opened.append(a) or memfd_create(*a))
+    with pytest.raises(
+        HostMemoryError, match="pool needs 0.5 MiB and this machine has 0.2 MiB available"
+    ) as e:
+        HostDriver(num_pages=8, page_size=PS, populate=True, preallocate=True)
+    assert isinstance(e.value, MemoryError) and (e.value.requested, e.value.available) == (8 * PS, 4 * PS)
+    assert not opened  # refused before the pool's memfd exists
+    with HostDriver(num_pages=8, page_size=PS) as d:  # on demand: nothing is backed at start
+        assert os.fstat(d._fd).st_blocks == 0
 
 
 def test_a_kernel_that_refuses_populate_advice_gets_its_pages_mapped_populated(monkeypatch):

@@ -25,11 +25,13 @@ from attention_reference import reference_attention
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from vmkv.drivers import HostMemoryError, host
 from vmkv.paging import PagedKVCache
 
 from vmkv.contiguous import ContiguousKVCache
 from vmkv.kv_cache import KVCache, KVShape, OutOfKVMemory, SeqStep, SequenceTooLong, StepBatch
 from vmkv.vattention import VAttentionKVCache
+from vmkv.vattention import budget as budget_module
 
 # 128 B per token per K or V tensor: a 4 KiB vattention page holds 32 tokens token-major
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
@@ -319,3 +321,30 @@ ContractLifecycle.TestCase.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_contract = ContractLifecycle.TestCase
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous", "vattention preallocated"])
+def test_a_cache_backed_at_start_refuses_a_budget_beyond_available_memory(layout, monkeypatch) -> None:
+    """Refused with the sizes before anything is touched, instead of killed by the OOM killer."""
+    monkeypatch.setattr(host, "memory_info", lambda: (16 << 10, 1 << 30))  # 16 KiB available
+    budget = 4 * MAX_LEN * SHAPE.bytes_per_token
+    with pytest.raises(HostMemoryError, match="MiB available: give the KV cache a smaller budget"):
+        if layout == "paged":
+            PagedKVCache(SHAPE, MAX_LEN, budget)
+        elif layout == "contiguous":
+            ContiguousKVCache(SHAPE, MAX_LEN, budget)
+        else:
+            VAttentionKVCache(SHAPE, MAX_LEN, budget, page_size=PAGE, preallocate=True)
+
+
+def test_an_on_demand_pool_beyond_available_memory_is_built_with_a_warning(caplog, monkeypatch) -> None:
+    """vattention backs pages as sequences grow, so a larger budget may be meant; it is said."""
+    monkeypatch.setattr(budget_module, "memory_info", lambda: (16 << 10, 1 << 30))
+    with caplog.at_level("WARNING", logger=budget_module.__name__):
+        cache = VAttentionKVCache(SHAPE, MAX_LEN, 64 * PAGE * SHAPE.num_layers, page_size=PAGE)
+    try:
+        assert "larger than this machine's available memory" in caplog.text
+        cache.admit(0, [1, 2, 3])  # and it works
+        assert cache.memory().used_bytes == 3 * SHAPE.bytes_per_token
+    finally:
+        cache.close()

@@ -17,6 +17,7 @@ import torch
 from vmkv.dense.attention import attend_dense, check_attend_args
 from vmkv.dense.plan import DEFAULT_MAX_PADDING, DenseSlotPlan, plan_step
 from vmkv.dense.sequences import DenseSlotSequences
+from vmkv.drivers import require_available
 from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, StepBatch
 
 
@@ -67,6 +68,8 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.max_padding = max_padding
+        if self.device.type == "cpu":
+            require_available(num_slots * slot_bytes, "the contiguous KV cache")
         # Zero-filled so the masked padding a batched decode reads is never NaN garbage.
         self.kv = torch.zeros(
             shape.num_layers,

@@ -4,14 +4,17 @@ size and order that follow, and the driver to build when none is given."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from vmkv.drivers import CudaDriver, HostDriver, MemoryDriver
+from vmkv.drivers import CudaDriver, HostDriver, MemoryDriver, memory_info
 from vmkv.kv_cache import KVShape
 from vmkv.vattention.config import AUTO_ORDER, CUDA_PAGE_SIZE, VAttentionConfig
 from vmkv.vattention.geometry import SlotGeometry
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,9 +73,24 @@ def size_cache(
         if target.type != "cpu":
             raise ValueError(f"no memory driver for device {target}")
         driver = HostDriver(num_sets * probe.units, page_size, cfg.populate, cfg.preallocate)
+        _warn_if_unbackable(driver.num_pages * page_size)
     elif (target.type, target.index or 0) != (driver.device.type, driver.device.index or 0):
         raise ValueError(f"device {device} differs from the driver's {driver.device}")
     geometry = dataclasses.replace(
         probe, max_slots=cfg.max_slots or min(num_sets, 256), huge_run=driver.huge_run
     )
     return Sizing(cfg, driver, owns_driver, geometry, num_sets)
+
+
+def _warn_if_unbackable(pool_bytes: int) -> None:
+    """An on-demand pool may be larger than the memory the machine has (it is backed only as
+    sequences grow, and other tenants may free theirs), but past that the kernel's OOM killer
+    ends the process mid-step, so say so at start. A preallocated pool is refused instead."""
+    info = memory_info()
+    if info is not None and pool_bytes > info[0]:
+        logger.warning(
+            "the KV pool (%.1f MiB) is larger than this machine's available memory (%.1f MiB): "
+            "if sequences grow to fill it the kernel may kill the process; a smaller budget avoids it",
+            pool_bytes / 2**20,
+            info[0] / 2**20,
+        )

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from vmkv.drivers import memory_info
 from vmkv.vattention.slots import Slot, SlotTable
 
 
@@ -78,14 +79,8 @@ def _keep_for(table: SlotTable, slot: Slot, excess: int) -> int:
 
 def memory_pressure(min_available: float) -> bool:
     """Whether the machine's available memory is below min_available of its total (Linux)."""
-    if min_available <= 0:
-        return False
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[1:]}
-    except OSError:
-        return False
-    return info.get("MemAvailable", 0) < min_available * info.get("MemTotal", 0)
+    info = memory_info() if min_available > 0 else None
+    return info is not None and info[0] < min_available * info[1]
 
 
 class Trimmer:
