@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from vmkv.bench.online import serve_arguments
 from vmkv.engine.args import add_engine_arguments, engine_config, engine_flags
@@ -85,3 +86,30 @@ def test_the_bench_starts_its_servers_with_the_same_settings_on_every_replica() 
 def test_an_unknown_kv_order_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError, match="kv_order must be one of .*packed"):
         EngineConfig(kv_order="layer")
+
+
+def test_flags_wrong_together_end_the_command_with_one_line_not_a_traceback() -> None:
+    with pytest.raises(
+        SystemExit, match=r"^vmkv: error: max_num_batched_tokens \(4\) must be >= max_num_seqs"
+    ):
+        parse(["--max-num-batched-tokens", "4", "--max-num-seqs", "64"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_a_device_torch_cannot_use_is_refused_before_the_engine_starts() -> None:
+    with pytest.raises(SystemExit, match="--device cuda: this torch sees no CUDA GPU"):
+        parse(["--device", "cuda"])
+    with pytest.raises(SystemExit, match="--device must be cpu or cuda"):
+        parse(["--device", "tpu"])
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "why"),
+    [("--port", "99999", "must be 0..65535"), ("--shutdown-grace-seconds", "-1", "must be a number >= 0")],
+)
+def test_serve_refuses_an_impossible_port_or_grace_period_before_starting(flag, value, why, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, value])
+    assert why in capsys.readouterr().err

@@ -44,7 +44,7 @@ from vmkv.bench.workloads import (
 )
 from vmkv.drivers import DEFAULT_PAGE_SIZE
 from vmkv.engine import EngineConfig
-from vmkv.engine.args import AUTO_DTYPE, add_engine_arguments, engine_config, positive_int
+from vmkv.engine.args import AUTO_DTYPE, add_engine_arguments, check_device, engine_config, positive_int
 from vmkv.engine.config import KV_MODES
 from vmkv.kv_cache import KVShape
 from vmkv.model.store import DEFAULT_MODEL, load_tokenizer, resolve_model
@@ -399,11 +399,7 @@ def device_overrides(args: argparse.Namespace) -> dict[str, object]:
     """Engine fields the device decides: on a GPU "auto" dtype is bfloat16 (every GPU the engine
     supports multiplies it natively; auto_dtype reads CPU flags). Refuses a device torch cannot use
     before anything is built."""
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: this torch sees no CUDA GPU")
-    if device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"--device must be cpu or cuda[:N], got {args.device}")
+    device = check_device(args.device)
     return {"dtype": "bfloat16"} if device.type == "cuda" and args.dtype == AUTO_DTYPE else {}
 
 

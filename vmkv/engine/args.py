@@ -30,6 +30,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def auto_dtype() -> str:
     """bfloat16 wherever a decode step reads bf16 weights: with native GEMMs (AVX512-BF16, AMX)
     or, without them, through the AVX2 GEMV kernel next to fp32 GEMMs of the same values
@@ -188,7 +195,26 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
     values.update(overrides)
     if values.get("dtype") == AUTO_DTYPE:
         values["dtype"] = auto_dtype()
-    return EngineConfig(**values)
+    if "device" in values:
+        check_device(str(values["device"]))
+    try:
+        return EngineConfig(**values)
+    except (TypeError, ValueError) as error:  # flags each fine alone, wrong together
+        raise SystemExit(f"vmkv: error: {error}") from error
+
+
+def check_device(text: str) -> torch.device:
+    """--device as torch reads it, refused before anything is built where torch cannot use it
+    (else the engine fails deep in its start with torch's own assertion)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"vmkv: error: --device must be cpu or cuda[:N], got {text}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"vmkv: error: --device {text}: this torch sees no CUDA GPU")
+    return device
 
 
 def engine_flags(config: EngineConfig) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import uvicorn
 
 from vmkv.engine import AsyncLLM, AsyncProcessLLM, DataParallelLLM, EngineStartError
-from vmkv.engine.args import add_engine_arguments, engine_config, positive_int
+from vmkv.engine.args import add_engine_arguments, engine_config, non_negative_float, positive_int
 from vmkv.engine.data_parallel import ROUTINGS
 from vmkv.engine.gc_heap import freeze_start_up_heap
 from vmkv.server.app import build_app
@@ -30,7 +30,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "directory's base name)",
     )
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--port", type=port_number, default=8000, help="0: any free port")
     server.add_argument(
         "--api-key",
         dest="api_keys",
@@ -72,7 +72,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--shutdown-grace-seconds",
-        type=float,
+        type=non_negative_float,
         default=DEFAULT_GRACE_SECONDS,
         help="on SIGTERM or Ctrl-C, how long requests in flight may run on before they are ended",
     )
@@ -105,6 +105,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     # a server runs long enough to win back the compile (docs/engine.md): on unless told
     # otherwise or tensor parallel (not compiled yet); None until serve_main resolves it
     parser.set_defaults(compile_model=None)
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {value}")
+    return value
 
 
 def served_model_name(args: argparse.Namespace) -> str:
