@@ -30,7 +30,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "directory's base name)",
     )
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    server.add_argument("--port", type=port_number, default=8000, help="0: any free port")
+    server.add_argument("--port", type=port_number, default=8000)
     server.add_argument(
         "--api-key",
         dest="api_keys",
