@@ -12,9 +12,10 @@ import pytest
 from test_server import MODEL, LiveServer
 
 from vmkv.engine import AsyncLLM
+from vmkv.engine.engine_info import EngineInfo
 from vmkv.model.store import DEFAULT_MODEL
 from vmkv.server import EngineClient, build_app
-from vmkv.server.launcher import served_model_name
+from vmkv.server.launcher import log_capacity, served_model_name
 
 CAPACITY_BYTES = 64 * 512  # the tiny fp32 model's KV is 512 B a token: 64 tokens, four 16-token blocks
 
@@ -67,3 +68,21 @@ def test_a_request_that_can_never_fit_the_cache_names_the_field(
     error = response.json()["error"]
     assert "can never fit the KV cache" in error["message"]
     assert error["param"] == param
+
+
+def test_the_start_log_says_what_the_kv_cache_holds_and_warns_when_one_long_request_cannot_fit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def info(capacity: int) -> EngineInfo:
+        return EngineInfo("m", 2048, 64, 100, capacity, frozenset({2}), capacity // 16, "block")
+
+    with caplog.at_level("INFO", logger="vmkv.server.launcher"):
+        log_capacity(info(8192), "paged", 1)
+    assert "KV cache (paged): 8,192 tokens, 4.0 requests of max_model_len (2,048) at once" in caplog.text
+    assert "WARNING" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="vmkv.server.launcher"):
+        log_capacity(info(45), "vattention", 2)
+    assert "KV cache (vattention, each of 2 replicas): 45 tokens" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"]
+    assert "fewer than max_model_len (2,048)" in caplog.records[1].getMessage()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
@@ -11,12 +12,15 @@ import uvicorn
 from vmkv.engine import AsyncLLM, AsyncProcessLLM, DataParallelLLM, EngineStartError
 from vmkv.engine.args import add_engine_arguments, engine_config, non_negative_float, positive_int
 from vmkv.engine.data_parallel import ROUTINGS
+from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.gc_heap import freeze_start_up_heap
 from vmkv.server.app import build_app
 from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
 from vmkv.server.engine_client import EngineClient
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES
 from vmkv.server.limits import RequestLimits
+
+logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "VMKV_API_KEY"
 
@@ -114,6 +118,26 @@ def port_number(text: str) -> int:
     return value
 
 
+def log_capacity(info: EngineInfo, kv_mode: str, replicas: int) -> None:
+    """What the KV cache holds, once at start (as vLLM logs its blocks and maximum concurrency),
+    and a warning where not even one request of max_model_len tokens fits: longer ones get 400."""
+    logger.info(
+        "KV cache (%s%s): %s tokens, %.1f requests of max_model_len (%s) at once",
+        kv_mode,
+        f", each of {replicas} replicas" if replicas > 1 else "",
+        f"{info.capacity_tokens:,}",
+        info.capacity_tokens / info.max_model_len,
+        f"{info.max_model_len:,}",
+    )
+    if info.capacity_tokens < info.max_model_len:
+        logger.warning(
+            "the KV cache holds %s tokens, fewer than max_model_len (%s): a request of more tokens "
+            "than it holds is refused; a larger --kv-budget-mib or a smaller --max-model-len fixes it",
+            f"{info.capacity_tokens:,}",
+            f"{info.max_model_len:,}",
+        )
+
+
 def served_model_name(args: argparse.Namespace) -> str:
     """--served-model-name, else a checkpoint directory's base name (never the whole path, which
     would show the server's file system to every client and metrics scraper), else --model."""
@@ -139,6 +163,7 @@ def serve_main(args: argparse.Namespace) -> None:
             llm = AsyncLLM(engine_settings)
     except EngineStartError as error:
         raise SystemExit(f"vmkv: error: {error}") from error
+    log_capacity(llm.info, args.kv_mode, args.data_parallel_size)
     engine = EngineClient(llm)
     app = build_app(
         engine,
