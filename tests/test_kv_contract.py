@@ -339,7 +339,7 @@ def test_a_cache_backed_at_start_refuses_a_budget_beyond_available_memory(layout
 
 def test_an_on_demand_pool_beyond_available_memory_is_built_with_a_warning(caplog, monkeypatch) -> None:
     """vattention backs pages as sequences grow, so a larger budget may be meant; it is said."""
-    monkeypatch.setattr(budget_module, "memory_info", lambda: (16 << 10, 1 << 30))
+    monkeypatch.setattr(host, "memory_info", lambda: (16 << 10, 1 << 30))
     with caplog.at_level("WARNING", logger=budget_module.__name__):
         cache = VAttentionKVCache(SHAPE, MAX_LEN, 64 * PAGE * SHAPE.num_layers, page_size=PAGE)
     try:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vmkv.drivers import CudaDriver, HostDriver, MemoryDriver, memory_info
+from vmkv.drivers import CudaDriver, HostDriver, HostMemoryError, MemoryDriver, require_available
 from vmkv.kv_cache import KVShape
 from vmkv.vattention.config import AUTO_ORDER, CUDA_PAGE_SIZE, VAttentionConfig
 from vmkv.vattention.geometry import SlotGeometry
@@ -85,12 +85,13 @@ def size_cache(
 def _warn_if_unbackable(pool_bytes: int) -> None:
     """An on-demand pool may be larger than the memory the machine has (it is backed only as
     sequences grow, and other tenants may free theirs), but past that the kernel's OOM killer
-    ends the process mid-step, so say so at start. A preallocated pool is refused instead."""
-    info = memory_info()
-    if info is not None and pool_bytes > info[0]:
+    ends the process mid-step, so say so at start: the check that refuses a pool backed at once."""
+    try:
+        require_available(pool_bytes, "the KV pool")
+    except HostMemoryError as error:
         logger.warning(
             "the KV pool (%.1f MiB) is larger than this machine's available memory (%.1f MiB): "
             "if sequences grow to fill it the kernel may kill the process; a smaller budget avoids it",
-            pool_bytes / 2**20,
-            info[0] / 2**20,
+            error.requested / 2**20,
+            error.available / 2**20,
         )
