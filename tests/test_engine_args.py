@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vmkv.bench.online import serve_arguments
-from vmkv.engine.args import add_engine_arguments, engine_config, engine_flags
+from vmkv.engine.args import add_engine_arguments, engine_config, engine_flags, ignored_flags
 from vmkv.engine.config import EngineConfig
 from vmkv.server.launcher import add_serve_arguments
 
@@ -96,6 +96,16 @@ def test_flags_wrong_together_end_the_command_with_one_line_not_a_traceback() ->
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+@pytest.mark.parametrize("kv_mode", ["paged", "contiguous"])
+def test_vattention_only_flags_given_for_another_mode_are_named(kv_mode: str) -> None:
+    flags = ["--page-size", "8192", "--kv-order", "head", "--kv-preallocate"]
+    named = ["--page-size", "--kv-order", "--kv-preallocate"]
+    assert ignored_flags(parse(["--kv-mode", kv_mode, *flags])) == named
+    assert ignored_flags(parse(["--kv-mode", kv_mode, "--kv-preallocate"])) == ["--kv-preallocate"]
+    assert ignored_flags(parse(["--kv-mode", kv_mode])) == []
+    assert ignored_flags(parse(["--kv-mode", "vattention", *flags])) == []
+
+
 def test_a_device_torch_cannot_use_is_refused_before_the_engine_starts() -> None:
     with pytest.raises(SystemExit, match="--device cuda: this torch sees no CUDA GPU"):
         parse(["--device", "cuda"])

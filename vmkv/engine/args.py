@@ -203,6 +203,24 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         raise SystemExit(f"vmkv: error: {error}") from error
 
 
+# Flags only vattention's cache reads.
+VATTENTION_ONLY_FLAGS = {
+    "page_size": "--page-size",
+    "kv_order": "--kv-order",
+    "kv_preallocate": "--kv-preallocate",
+}
+
+
+def ignored_flags(config: EngineConfig) -> list[str]:
+    """The vattention-only flags set for another KV mode, which does not read them. Worth a
+    warning, not an error: one set of flags with only --kv-mode changed is how modes are compared."""
+    if config.kv_mode == "vattention":
+        return []
+    unset = EngineConfig()
+    set_here = [name for name in VATTENTION_ONLY_FLAGS if getattr(config, name) != getattr(unset, name)]
+    return [VATTENTION_ONLY_FLAGS[name] for name in set_here]
+
+
 def check_device(text: str) -> torch.device:
     """--device as torch reads it, refused before anything is built where torch cannot use it
     (else the engine fails deep in its start with torch's own assertion)."""

@@ -10,7 +10,13 @@ from pathlib import Path
 import uvicorn
 
 from vmkv.engine import AsyncLLM, AsyncProcessLLM, DataParallelLLM, EngineStartError
-from vmkv.engine.args import add_engine_arguments, engine_config, non_negative_float, positive_int
+from vmkv.engine.args import (
+    add_engine_arguments,
+    engine_config,
+    ignored_flags,
+    non_negative_float,
+    positive_int,
+)
 from vmkv.engine.data_parallel import ROUTINGS
 from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.gc_heap import freeze_start_up_heap
@@ -152,6 +158,12 @@ def serve_main(args: argparse.Namespace) -> None:
     if args.compile_model is None:
         args.compile_model = args.tensor_parallel_size == 1
     engine_settings = engine_config(args)
+    if unread := ignored_flags(engine_settings):
+        logger.warning(
+            "%s only apply to --kv-mode vattention; --kv-mode %s ignores them",
+            ", ".join(unread),
+            engine_settings.kv_mode,
+        )
     if args.data_parallel_size > 1 and not args.engine_process:
         raise SystemExit("vmkv: error: --data-parallel-size needs --engine-process")
     try:
