@@ -9,11 +9,9 @@ deltas, which a stream forwards and a plain response accumulates.
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncGenerator, Awaitable, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -50,9 +48,16 @@ from vmkv.server.protocol import (
     random_id,
 )
 from vmkv.server.protocol import TokenLogprob as ChatTokenLogprob
-from vmkv.server.streaming import DONE_EVENT, EventStreamResponse, merge, sse_event
-
-T = TypeVar("T")
+from vmkv.server.refusals import chat_refusals, check_supported, completion_refusals, sampling_refusals
+from vmkv.server.streaming import (
+    DONE_EVENT,
+    ClientDisconnected,
+    EventStreamResponse,
+    merge,
+    sse_event,
+    until_disconnected,
+)
+from vmkv.server.structured_request import structured_specs
 
 # The status nginx made the convention for "client closed the request"; nobody is left to read it.
 CLIENT_CLOSED_REQUEST = 499
@@ -107,10 +112,6 @@ class ChoiceDelta:
         return (
             bool(delta.text) or delta.finish_reason is not None or (with_logprobs and bool(delta.token_ids))
         )
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its answer was ready."""
 
 
 # Texts longer than this are tokenized on a worker thread, so the event loop keeps serving.
@@ -648,126 +649,6 @@ def new_choices(submissions: list[Submission]) -> list[Choice]:
     ]
 
 
-# (param, whether the request sets it, why it is refused): known fields not implemented here
-Refusal = tuple[str, bool, str]
-
-
-def check_supported(refusals: list[Refusal]) -> None:
-    """A 400 naming the first field set that this server does not implement, instead of ignoring it."""
-    for param, is_set, reason in refusals:
-        if is_set:
-            raise bad_request(f"{param} is not supported: {reason}", param)
-
-
-def sampling_refusals(body: SamplingFields) -> list[Refusal]:
-    return [
-        ("allowed_token_ids", body.allowed_token_ids is not None, "use logit_bias or a structured output"),
-        ("logits_processors", bool(body.logits_processors), "custom logits processors cannot be loaded"),
-        ("truncate_prompt_tokens", body.truncate_prompt_tokens is not None, "prompts are never truncated"),
-        ("truncation_side", body.truncation_side is not None, "prompts are never truncated"),
-        ("use_beam_search", body.use_beam_search, "beam search is not implemented"),
-        ("length_penalty", body.length_penalty != 1.0, "it applies to beam search, which is not implemented"),
-        ("spaces_between_special_tokens", not body.spaces_between_special_tokens, "not implemented"),
-        ("logprob_token_ids", body.logprob_token_ids is not None, "logprobs are of the top tokens only"),
-        ("prompt_embeds", body.prompt_embeds is not None, "prompts are text or token ids"),
-        ("priority", body.priority != 0, "the scheduler serves requests in arrival order"),
-        ("return_tokens_as_token_ids", bool(body.return_tokens_as_token_ids), "not implemented"),
-        ("return_token_ids", bool(body.return_token_ids), "not implemented"),
-        ("include_stop_str_in_output", body.include_stop_str_in_output, "stop strings are always cut"),
-        (
-            "stream_options.continuous_usage_stats",
-            body.stream_options is not None and body.stream_options.continuous_usage_stats,
-            "usage comes in the final chunk (include_usage)",
-        ),
-    ]
-
-
-def completion_refusals(body: CompletionRequest) -> list[Refusal]:
-    return [
-        ("suffix", bool(body.suffix), "this server does not insert text"),
-        (
-            "best_of",
-            body.best_of is not None and body.best_of != body.n,
-            "sampling more choices than n and returning the best is not implemented; ask for n",
-        ),
-    ]
-
-
-def chat_refusals(body: ChatCompletionRequest) -> list[Refusal]:
-    no_tool = (None, "none")
-    return [
-        ("tools", bool(body.tools) and body.tool_choice != "none", "this server has no tool-call parser"),
-        ("tool_choice", body.tool_choice not in no_tool, "this server has no tool-call parser"),
-        ("functions", bool(body.functions), "this server has no tool-call parser"),
-        ("function_call", body.function_call not in no_tool, "this server has no tool-call parser"),
-        ("echo", body.echo, "chat echo is not implemented"),
-        (
-            "prompt_logprobs",
-            body.stream and body.prompt_logprobs is not None,
-            "a chat stream has no place for them; ask without stream",
-        ),
-        ("continue_final_message", body.continue_final_message, "not implemented"),
-        ("audio", body.audio is not None, "this server generates text only"),
-        ("modalities", body.modalities not in (None, ["text"]), "this server generates text only"),
-        ("prediction", body.prediction is not None, "predicted outputs are not implemented"),
-        ("web_search_options", body.web_search_options is not None, "this server has no web search"),
-        ("reasoning_effort", body.reasoning_effort is not None, "the model has no reasoning mode here"),
-        ("chat_template", body.chat_template is not None, "the model's own chat template is used"),
-        ("chat_template_kwargs", bool(body.chat_template_kwargs), "the model's own chat template is used"),
-    ]
-
-
-def structured_specs(body: SamplingFields) -> list[tuple[str, StructuredOutput | None]]:
-    """Every way a request can ask for a constrained output, as (param, spec or None); an
-    empty one (a "" regex, no choices) is a 400 naming its field."""
-    specs: list[tuple[str, StructuredOutput | None]] = []
-    response_format = body.response_format
-    if response_format is None or response_format.type == "text":
-        specs.append(("response_format", None))
-    elif response_format.type == "json_object":
-        specs.append(("response_format", StructuredOutput("json_object")))
-    else:
-        specs.append(("response_format", json_spec("response_format", response_format.json_schema.schema_)))
-    so = body.structured_outputs
-    if so is not None:
-        specs += [
-            ("structured_outputs.json", json_spec("structured_outputs.json", so.json_)),
-            ("structured_outputs.regex", constraint("structured_outputs.regex", "regex", so.regex)),
-            (
-                "structured_outputs.choice",
-                constraint("structured_outputs.choice", "choice", choices=so.choice),
-            ),
-            ("structured_outputs.grammar", constraint("structured_outputs.grammar", "grammar", so.grammar)),
-            ("structured_outputs.json_object", StructuredOutput("json_object") if so.json_object else None),
-        ]
-    specs += [
-        ("guided_json", json_spec("guided_json", body.guided_json)),
-        ("guided_regex", constraint("guided_regex", "regex", body.guided_regex)),
-        ("guided_choice", constraint("guided_choice", "choice", choices=body.guided_choice)),
-        ("guided_grammar", constraint("guided_grammar", "grammar", body.guided_grammar)),
-    ]
-    return specs
-
-
-def json_spec(param: str, schema: dict | str | None) -> StructuredOutput | None:
-    """A JSON-schema constraint from a schema object or its JSON text (parsed later)."""
-    if schema is None:
-        return None
-    return constraint(param, "json", schema if isinstance(schema, str) else json.dumps(schema))
-
-
-def constraint(
-    param: str, kind: str, spec: str | None = "", choices: list[str] | None = ()
-) -> StructuredOutput | None:
-    """The field's constraint, None when the field is unset, a 400 naming it when empty."""
-    if spec is None or choices is None:
-        return None
-    try:
-        return StructuredOutput(kind, spec, choices=tuple(choices))
-    except ValueError as error:
-        raise bad_request(f"{param} is not a valid {kind} constraint: {error}", param) from None
-
-
 def usage(submissions: list[Submission], choices: list[Choice]) -> Usage:
     prompt_tokens = sum(len(s.prompt_ids) for s in submissions)
     completion_tokens = sum(choice.num_tokens for choice in choices)
@@ -782,25 +663,3 @@ def error_event(error: Exception) -> str:
     """A failure after the stream began: the status is already sent, so the error travels as an event."""
     status = 503 if isinstance(error, EngineDeadError) else 400 if isinstance(error, RequestRejected) else 500
     return sse_event(error_body(status, str(error)))
-
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work` unless the client disconnects first; then cancel it and raise ClientDisconnected."""
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(wait_for_disconnect(request))
-    try:
-        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch_task.cancel()
-        if not work_task.done():
-            work_task.cancel()
-            await asyncio.gather(work_task, return_exceptions=True)
-    if work_task.cancelled():
-        raise ClientDisconnected
-    return work_task.result()
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    """Returns when the client disconnects (the body is read, so receive() has nothing else to say)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -1,18 +1,20 @@
-"""Server-sent events as OpenAI streams them, and the async plumbing that keeps streams abortable.
+"""Server-sent events as OpenAI streams them, and the async plumbing that keeps requests abortable.
 
 One `data: {json}` event per chunk, then `data: [DONE]`. A stream's generator is always
 closed when its response ends, however it ends, so the engine requests behind it are
-aborted at once rather than whenever the garbage collector gets to them.
+aborted at once rather than whenever the garbage collector gets to them; a plain response's
+work is cancelled when its client disconnects (`until_disconnected`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
 from pydantic import BaseModel
+from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -78,3 +80,29 @@ async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[
         await asyncio.gather(*pending, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready."""
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first; then cancel it and raise ClientDisconnected."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+    if work_task.cancelled():
+        raise ClientDisconnected
+    return work_task.result()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body is read, so receive() has nothing else to say)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
