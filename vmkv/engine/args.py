@@ -217,8 +217,9 @@ def ignored_flags(config: EngineConfig) -> list[str]:
     if config.kv_mode == "vattention":
         return []
     unset = EngineConfig()
-    set_here = [name for name in VATTENTION_ONLY_FLAGS if getattr(config, name) != getattr(unset, name)]
-    return [VATTENTION_ONLY_FLAGS[name] for name in set_here]
+    return [
+        flag for name, flag in VATTENTION_ONLY_FLAGS.items() if getattr(config, name) != getattr(unset, name)
+    ]
 
 
 def check_device(text: str) -> torch.device:
