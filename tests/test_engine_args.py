@@ -95,7 +95,6 @@ def test_flags_wrong_together_end_the_command_with_one_line_not_a_traceback() ->
         parse(["--max-num-batched-tokens", "4", "--max-num-seqs", "64"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 @pytest.mark.parametrize("kv_mode", ["paged", "contiguous"])
 def test_vattention_only_flags_given_for_another_mode_are_named(kv_mode: str) -> None:
     flags = ["--page-size", "8192", "--kv-order", "head", "--kv-preallocate"]
@@ -106,6 +105,7 @@ def test_vattention_only_flags_given_for_another_mode_are_named(kv_mode: str) ->
     assert ignored_flags(parse(["--kv-mode", "vattention", *flags])) == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_a_device_torch_cannot_use_is_refused_before_the_engine_starts() -> None:
     with pytest.raises(SystemExit, match="--device cuda: this torch sees no CUDA GPU"):
         parse(["--device", "cuda"])
