@@ -198,6 +198,8 @@ def test_logprobs_are_top_k_of_the_raw_distribution_plus_the_sampled_token() -> 
         ("logit_bias", {3: 101.0}),
         ("bad_words_token_ids", [[]]),
         ("bad_words_token_ids", [[1, -2]]),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [2, -1]),
     ],
 )
 def test_invalid_sampling_params_raise_value_errors_naming_the_field(field: str, value: object) -> None:
@@ -259,6 +261,14 @@ def test_logit_bias_is_added_to_the_listed_tokens() -> None:
     assert greedy(logits, [0], [], logit_bias={1: 0.9}) == 0
     assert greedy(logits, [0], [], logit_bias={1: 1.1}) == 1
     assert greedy(logits, [0], [], logit_bias={0: -100.0, 2: 1.5}) == 2
+
+
+def test_allowed_token_ids_mask_every_other_token_before_the_other_processors() -> None:
+    logits = [0.0, 1.0, 2.0, 5.0]
+    assert greedy(logits, [0], [], allowed_token_ids=[0, 1]) == 1
+    assert greedy(logits, [0], [], allowed_token_ids=[0, 1], logit_bias={0: 1.5}) == 0
+    # min_tokens masks EOS (3), the only allowed token: the row falls back to EOS, never past the vocab
+    assert greedy(logits, [0], [], allowed_token_ids=[EOS], min_tokens=1) == EOS
 
 
 def test_bad_words_ban_the_token_that_would_complete_one() -> None:

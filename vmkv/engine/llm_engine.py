@@ -28,7 +28,7 @@ from vmkv.engine.sampler import Sampler, SampleRow
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import ScheduledSeq, Scheduler
 from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
-from vmkv.engine.stop_strings import find_stop
+from vmkv.engine.stop_strings import cut_at_stop, find_stop
 from vmkv.engine.structured_output import GrammarCompiler
 from vmkv.heap import HeapTrimmer, keep_step_buffers
 from vmkv.kv_cache import KVMemory, KVStats
@@ -470,7 +470,7 @@ class LLMEngine:
             and (stop := find_stop(seq.text, params.stop, len(delta)))
         ):
             at, seq.stop_reason = stop
-            seq.text = seq.text[:at]
+            seq.text = cut_at_stop(seq.text, at, stop[1], params.include_stop_str_in_output)
             seq.finish_reason = FinishReason.STOP
 
     def _prompt_logprob_items(self, scheduled: list[ScheduledSeq]) -> list[int]:

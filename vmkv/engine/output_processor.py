@@ -18,7 +18,7 @@ from vmkv.engine.ipc import RequestUpdate, SampleUpdate
 from vmkv.engine.outputs import CompletionOutput, PromptLogprob, RequestMetrics, RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.sequence import FinishReason
-from vmkv.engine.stop_strings import find_stop, stop_hold, visible_text
+from vmkv.engine.stop_strings import cut_at_stop, find_stop, stop_hold, visible_text
 
 
 @dataclass
@@ -122,7 +122,7 @@ class RequestState:
         if stop is None:
             return False
         at, sample.stop_reason = stop
-        sample.text = sample.text[:at]
+        sample.text = cut_at_stop(sample.text, at, stop[1], self.params.include_stop_str_in_output)
         stopped_here = sample.finish_reason is None
         sample.finish_reason = str(FinishReason.STOP)
         return stopped_here

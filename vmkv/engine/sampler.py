@@ -3,7 +3,7 @@ top-p, min-p, seeds, logprobs.
 
 All rows are processed as one [S, V] tensor and no Python loop touches a vocabulary-sized
 tensor. Rows whose parameters change the logits (penalties, min_tokens, logit_bias,
-structured outputs) are gathered and processed together; a step without such rows skips
+allowed_token_ids, structured outputs) are gathered and processed together; a step without such rows skips
 that work entirely, so plain requests pay nothing for it. Greedy rows take the first maximum
 (argmax_kernel.py; a step without random rows or logprobs does nothing else). Random rows are drawn by
 inverting each row's CDF at one uniform number, so a per-request seed only decides that
@@ -105,9 +105,16 @@ class Sampler:
 
     # ------------------------------------------------------------------ logits processors
     def _process(self, logits: torch.Tensor, rows: list[SampleRow], processed: list[int]) -> None:
-        """Apply, in place and in this order, the grammar masks, the min_tokens and bad_words
-        masks, logit_bias and the penalties of the `processed` rows (vLLM's order: masks and
-        biases, then penalties)."""
+        """Apply, in place and in this order, allowed_token_ids, the grammar masks, the min_tokens
+        and bad_words masks, logit_bias and the penalties of the `processed` rows (vLLM's order:
+        masks and biases, then penalties)."""
+        for i in processed:
+            allowed = rows[i].params.allowed_token_ids
+            if allowed is not None:
+                index = torch.tensor(allowed, device=logits.device)
+                kept = logits[i, index]
+                logits[i].fill_(float("-inf"))
+                logits[i, index] = kept
         grammar_rows = [i for i in processed if rows[i].grammar is not None]
         if grammar_rows:
             bitmask = new_token_bitmask(len(grammar_rows), logits.shape[1])

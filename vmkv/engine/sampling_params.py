@@ -43,8 +43,9 @@ class SamplingParams:
     k most likely tokens at each step (from the unmodified model distribution) plus the
     sampled one; prompt_logprobs=k does the same for every prompt token after the first
     (such a request never reads the prefix cache: a cached token has no logits). Stop strings
-    are cut from the returned text; stop token ids end the sample and stay in token_ids, as
-    the end-of-sequence token does.
+    are cut from the returned text (include_stop_str_in_output keeps the string that matched
+    and cuts after it); stop token ids end the sample and stay in token_ids, as the
+    end-of-sequence token does.
 
     The logits processors follow vLLM's definitions: repetition_penalty divides positive
     (multiplies negative) logits of tokens seen in the prompt or output; frequency_penalty
@@ -53,8 +54,9 @@ class SamplingParams:
     exist; min_p drops tokens below min_p x the top token's probability (after temperature);
     logit_bias adds its value to each listed token's logit; bad_words_token_ids bans the last
     token of each listed sequence wherever the output ends with the rest of it (the API
-    tokenizes bad_words into these, as vLLM does); `structured` masks every token the
-    constraint does not allow and ends the sample when the constraint is complete.
+    tokenizes bad_words into these, as vLLM does); allowed_token_ids masks every token not
+    listed; `structured` masks every token the constraint does not allow and ends the sample
+    when the constraint is complete.
     """
 
     n: int = 1
@@ -65,6 +67,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -76,6 +79,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -124,6 +128,15 @@ class SamplingParams:
             for word in self.bad_words_token_ids
         ):
             raise ValueError("bad_words_token_ids must hold non-empty lists of non-negative token ids")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids
+            ):
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of non-negative token ids, "
+                    f"got {self.allowed_token_ids!r}"
+                )
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
 
@@ -146,6 +159,7 @@ class SamplingParams:
             or self.min_tokens > 0
             or bool(self.logit_bias)
             or bool(self.bad_words_token_ids)
+            or self.allowed_token_ids is not None
             or self.structured is not None
         )
 

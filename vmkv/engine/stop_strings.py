@@ -18,6 +18,11 @@ def find_stop(text: str, stops: list[str], delta_len: int) -> tuple[int, str] | 
     return found
 
 
+def cut_at_stop(text: str, at: int, stop: str, include_stop: bool) -> str:
+    """The sample's final text: up to the stop string found at `at`, or through it if asked."""
+    return text[: at + len(stop)] if include_stop else text[:at]
+
+
 def stop_hold(stops: list[str]) -> int:
     """Characters a stream holds back while running: as many as a stop string could still cover."""
     return max((len(s) for s in stops), default=1) - 1
