@@ -229,6 +229,218 @@ def test_a_stop_string_is_the_stop_reason(client: openai.OpenAI, served: Served)
     assert (out.text, out.finish_reason, out.model_extra["stop_reason"]) == (" ", "stop", "the the")
 
 
+# ------------------------------------------------------------------- vLLM's request extensions
+def test_include_stop_str_in_output_keeps_the_match_in_both_front_doors(
+    client: openai.OpenAI, served: Served, tiny_model_dir: Path
+) -> None:
+    token = single_token(served, WORD)
+    forced = {"logit_bias": {str(token): 100.0}, "stop": ["the the"]}  # " the the the ..."
+    kept = complete(client, include_stop_str_in_output=True, **forced).choices[0]
+    assert (kept.text, kept.finish_reason, kept.model_extra["stop_reason"]) == (" the the", "stop", "the the")
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0.0,
+        stream=True,
+        extra_body={"include_stop_str_in_output": True, **forced},
+    )
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == " the the"
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_mode="paged", max_model_len=64)
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        logit_bias={token: 100.0},
+        stop=["the the"],
+        include_stop_str_in_output=True,
+    )
+    (out,) = llm.generate([PROMPT], params)[0].outputs
+    assert (out.text, out.stop_reason) == (" the the", "the the")
+    llm.engine.close()
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled(client: openai.OpenAI, served: Served) -> None:
+    allowed = [single_token(served, WORD), single_token(served, " is")]
+    for temperature in (0.0, 1.0):
+        out = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=temperature,
+            seed=7,
+            extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True},
+        )
+        assert len(out.choices[0].model_extra["token_ids"]) == 16
+        assert set(out.choices[0].model_extra["token_ids"]) <= set(allowed)
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_tokens(
+    client: openai.OpenAI, served: Served
+) -> None:
+    token = single_token(served, WORD)
+    forced = {"logit_bias": {str(token): 100.0}, "return_token_ids": True}
+    choice = complete(client, max_tokens=5, **forced).choices[0]
+    assert (choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]) == (PROMPT, [token] * 5)
+    assert "token_ids" not in complete(client, max_tokens=5).choices[0].model_extra
+    stream = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0.0, stream=True, extra_body=forced
+        )
+    )
+    assert stream[0].choices[0].model_extra["prompt_token_ids"] == PROMPT
+    assert all("prompt_token_ids" not in chunk.choices[0].model_extra for chunk in stream[1:])
+    assert [t for chunk in stream for t in chunk.choices[0].model_extra["token_ids"]] == [token] * 5
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0.0, extra_body=forced
+    )
+    rendered = served.engine.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert chat.model_extra["prompt_token_ids"] == token_ids(served, rendered)
+    assert chat.choices[0].model_extra["token_ids"] == [token] * 5
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=5, temperature=0.0, stream=True, extra_body=forced
+        )
+    )
+    assert chunks[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    assert [t for chunk in chunks[1:] for t in chunk.choices[0].model_extra["token_ids"]] == [token] * 5
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client: openai.OpenAI) -> None:
+    named = complete(client, max_tokens=4, logprobs=2, return_tokens_as_token_ids=True, return_token_ids=True)
+    lp, ids = named.choices[0].logprobs, named.choices[0].model_extra["token_ids"]
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    assert all(name.startswith("token_id:") for top in lp.top_logprobs for name in top)
+    plain = complete(client, max_tokens=4, logprobs=2).choices[0].logprobs
+    assert lp.text_offset == plain.text_offset  # offsets still count characters of the text
+    assert lp.token_logprobs == pytest.approx(plain.token_logprobs)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [
+        f"token_id:{t}" for t in chat.choices[0].model_extra["token_ids"]
+    ]
+    assert all(top.token.startswith("token_id:") for entry in content for top in entry.top_logprobs)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_or_first_tokens(client: openai.OpenAI) -> None:
+    expected = complete(client).choices[0].text
+    tail = client.completions.create(
+        model=MODEL,
+        prompt=[1, 2, 3, *PROMPT],
+        max_tokens=12,
+        temperature=0.0,
+        extra_body={"truncate_prompt_tokens": 6},
+    )
+    assert (tail.choices[0].text, tail.usage.prompt_tokens) == (expected, len(PROMPT))
+    head = client.completions.create(
+        model=MODEL,
+        prompt=[*PROMPT, 1, 2, 3],
+        max_tokens=12,
+        temperature=0.0,
+        extra_body={"truncate_prompt_tokens": 6, "truncation_side": "right"},
+    )
+    assert (head.choices[0].text, head.usage.prompt_tokens) == (expected, len(PROMPT))
+    whole = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.0, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert (whole.choices[0].text, whole.usage.prompt_tokens) == (expected, len(PROMPT))
+    echoed = client.completions.create(
+        model=MODEL,
+        prompt="abcdef",
+        max_tokens=2,
+        temperature=0.0,
+        echo=True,
+        extra_body={"truncate_prompt_tokens": 2},
+    )
+    assert echoed.usage.prompt_tokens == 2 and echoed.choices[0].text.startswith(
+        "ef"
+    )  # bytes: one token each
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 3},
+    )
+    assert chat.usage.prompt_tokens == 3
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: openai.OpenAI) -> None:
+    def usages(**options: bool) -> list[openai.types.CompletionUsage | None]:
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=6,
+            temperature=0.0,
+            stream=True,
+            stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
+        return [chunk.usage for chunk in stream]
+
+    every = usages(include_usage=True, continuous_usage_stats=True)
+    assert all(u is not None and u.prompt_tokens == len(PROMPT) for u in every)
+    counts = [u.completion_tokens for u in every]
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] >= 1
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in every)
+    # as vLLM: without include_usage there is no usage at all
+    assert usages(continuous_usage_stats=True) == [None] * len(usages(continuous_usage_stats=True))
+
+
+def test_continue_final_message_and_echo_continue_an_assistant_message(
+    client: openai.OpenAI, served: Served
+) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello the"}]
+    options = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True}
+    request = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0.0}
+    out = client.chat.completions.create(**request, extra_body=options)
+    rendered = served.engine.tokenizer.apply_chat_template(
+        messages, tokenize=False, continue_final_message=True
+    )
+    assert rendered.endswith("Hello the")  # left open: the answer continues the message
+    assert out.model_extra["prompt_token_ids"] == token_ids(served, rendered)
+    echoed = client.chat.completions.create(**request, extra_body={**options, "echo": True})
+    assert echoed.choices[0].message.content == "Hello the" + out.choices[0].message.content
+    stream = client.chat.completions.create(**request, stream=True, extra_body={**options, "echo": True})
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == echoed.choices[0].message.content
+    # echo repeats only an assistant's message: after a user's there is nothing to continue
+    user_last = client.chat.completions.create(
+        model=MODEL, messages=messages[:1], max_tokens=4, temperature=0.0, extra_body={"echo": True}
+    )
+    plain = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4, temperature=0.0)
+    assert user_last.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, served: Served) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True},
+    )
+    rendered = served.engine.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert rendered.endswith("<think>\n\n</think>\n\n")
+    assert out.model_extra["prompt_token_ids"] == token_ids(served, rendered)
+    tokenized = httpx.post(
+        f"{served.url}/tokenize",
+        json={"messages": messages, "chat_template_kwargs": {"enable_thinking": False}},
+    ).json()
+    assert tokenized["tokens"] == token_ids(served, rendered)
+
+
 # --------------------------------------------------------------------------- structured outputs
 PERSON = {
     "type": "object",
@@ -389,19 +601,16 @@ def test_prompt_logprobs_come_in_vllms_shape(
         ({"guided_json": ""}, "guided_json"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
         ({"structured_outputs": {"grammar": ""}}, "structured_outputs"),
-        ({"allowed_token_ids": [5]}, "allowed_token_ids"),
-        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
-        ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"length_penalty": 0.5}, "length_penalty"),
         ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ({"logprob_token_ids": [5]}, "logprob_token_ids"),
         ({"priority": 1}, "priority"),
-        ({"return_token_ids": True}, "return_token_ids"),
-        (
-            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
-            "stream_options.continuous_usage_stats",
-        ),
+        ({"allowed_token_ids": [100000]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"truncate_prompt_tokens": 257}, "truncate_prompt_tokens"),  # over max_model_len (256)
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncation_side": "middle"}, "truncation_side"),
         ({"logit_bias": {"100000": 1.0}}, "logit_bias"),
         ({"logit_bias": {"5": 101.0}}, "logit_bias"),
         ({"logit_bias": {"five": 1.0}}, "logit_bias"),
@@ -426,14 +635,14 @@ def test_completion_parameters_not_honoured_are_400s(
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"echo": True}, "echo"),
-        ({"continue_final_message": True}, "continue_final_message"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"web_search_options": {}}, "web_search_options"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is on
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ],
 )
 def test_chat_parameters_not_honoured_are_400s(client: openai.OpenAI, extra: dict, param: str) -> None:

@@ -104,7 +104,12 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
         if body.messages is not None:
-            text = serving.render_chat(body.messages, body.add_generation_prompt)
+            text = serving.render_chat(
+                body.messages,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                body.chat_template_kwargs,
+            )
             tokens = await serving.encode(text, add_special_tokens=False, param="messages")
         else:
             tokens = await serving.encode(

@@ -69,7 +69,9 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False  # vLLM's; refused when true
+    continuous_usage_stats: StrictBool = Field(
+        default=False, description="vLLM's: with include_usage, every chunk carries the usage so far."
+    )
 
 
 class JsonSchemaFormat(OpenAIModel):
@@ -138,21 +140,33 @@ class SamplingFields(OpenAIModel):
     guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
     guided_grammar: NonEmptyText | None = None
     bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_BAD_WORDS)] | None = None
-    # known and refused with a 400 when set (see docs/server.md)
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    allowed_token_ids: list[TokenId] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
+        default=None, description="Only these token ids may be sampled."
+    )
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = Field(
+        default=None, description="Keep this many prompt tokens (-1: max_model_len), cut at truncation_side."
+    )
+    truncation_side: Literal["left", "right"] = Field(
+        default="left", description="left keeps the prompt's last tokens, right its first."
+    )
+    include_stop_str_in_output: StrictBool = Field(
+        default=False, description="Keep the stop string that ended a choice in its text."
+    )
+    return_tokens_as_token_ids: StrictBool | None = Field(
+        default=None, description='Logprobs name each token "token_id:<id>" instead of its text.'
+    )
+    return_token_ids: StrictBool | None = Field(
+        default=None, description="Each choice carries its token ids, and the response the prompt's."
+    )
+    # known and refused with a 400 when set (see docs/server.md)
     logits_processors: list[Any] | None = None
-    truncate_prompt_tokens: StrictInt | None = None
-    truncation_side: Text | None = None
-    include_stop_str_in_output: StrictBool = False
     use_beam_search: StrictBool = False
     length_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False)] = 1.0
     spaces_between_special_tokens: StrictBool = True
     logprob_token_ids: list[TokenId] | None = None
     prompt_embeds: Any = None
     priority: StrictInt = 0
-    return_tokens_as_token_ids: StrictBool | None = None
-    return_token_ids: StrictBool | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -163,6 +177,11 @@ class SamplingFields(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: usage in every chunk needs both stream options."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -214,20 +233,28 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = Field(
+        default=False,
+        description="Render the last message open, so the answer continues it (add_generation_prompt false).",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Extra variables for the model's chat template."
+    )
+    echo: StrictBool = Field(
+        default=False,
+        description="Start each choice with the last message's content if it is the assistant's.",
+    )
     # known and refused with a 400 when set: this server has no tool-call parser
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    echo: StrictBool = False
-    continue_final_message: StrictBool = False
     audio: Any = None
     prediction: Any = None
     modalities: list[Text] | None = None
     web_search_options: Any = None
     reasoning_effort: Text | None = None
     chat_template: Text | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -241,6 +268,12 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # --------------------------------------------------------------------------- responses
+
+
+def sent_if_asked() -> Any:
+    """A field only some requests ask for (vLLM's return_token_ids): left out, not sent as null,
+    when unset; a serializer hook would cost every streamed chunk microseconds."""
+    return Field(default=None, exclude_if=lambda value: value is None)
 
 
 class Usage(BaseModel):
@@ -277,6 +310,8 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = Field(
         default=None, description="The stop string or stop token id that ended the choice, if one did."
     )
+    prompt_token_ids: list[int] | None = sent_if_asked()
+    token_ids: list[int] | None = sent_if_asked()
 
 
 class CompletionResponse(BaseModel):
@@ -315,6 +350,7 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = Field(
         default=None, description="The stop string or stop token id that ended the choice, if one did."
     )
+    token_ids: list[int] | None = sent_if_asked()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -325,6 +361,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = sent_if_asked()
 
 
 class DeltaMessage(BaseModel):
@@ -346,6 +383,7 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = Field(
         default=None, description="The stop string or stop token id that ended the choice, if one did."
     )
+    token_ids: list[int] | None = sent_if_asked()
 
 
 class ChatCompletionChunk(BaseModel):
@@ -355,6 +393,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = sent_if_asked()  # a stream's first chunk
 
 
 # ------------------------------------------------------------------- other endpoints
@@ -382,6 +421,8 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> TokenizeRequest:

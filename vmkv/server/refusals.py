@@ -19,24 +19,13 @@ def check_supported(refusals: list[Refusal]) -> None:
 
 def sampling_refusals(body: SamplingFields) -> list[Refusal]:
     return [
-        ("allowed_token_ids", body.allowed_token_ids is not None, "use logit_bias or a structured output"),
         ("logits_processors", bool(body.logits_processors), "custom logits processors cannot be loaded"),
-        ("truncate_prompt_tokens", body.truncate_prompt_tokens is not None, "prompts are never truncated"),
-        ("truncation_side", body.truncation_side is not None, "prompts are never truncated"),
         ("use_beam_search", body.use_beam_search, "beam search is not implemented"),
         ("length_penalty", body.length_penalty != 1.0, "it applies to beam search, which is not implemented"),
         ("spaces_between_special_tokens", not body.spaces_between_special_tokens, "not implemented"),
         ("logprob_token_ids", body.logprob_token_ids is not None, "logprobs are of the top tokens only"),
         ("prompt_embeds", body.prompt_embeds is not None, "prompts are text or token ids"),
         ("priority", body.priority != 0, "the scheduler serves requests in arrival order"),
-        ("return_tokens_as_token_ids", bool(body.return_tokens_as_token_ids), "not implemented"),
-        ("return_token_ids", bool(body.return_token_ids), "not implemented"),
-        ("include_stop_str_in_output", body.include_stop_str_in_output, "stop strings are always cut"),
-        (
-            "stream_options.continuous_usage_stats",
-            body.stream_options is not None and body.stream_options.continuous_usage_stats,
-            "usage comes in the final chunk (include_usage)",
-        ),
     ]
 
 
@@ -58,18 +47,19 @@ def chat_refusals(body: ChatCompletionRequest) -> list[Refusal]:
         ("tool_choice", body.tool_choice not in no_tool, "this server has no tool-call parser"),
         ("functions", bool(body.functions), "this server has no tool-call parser"),
         ("function_call", body.function_call not in no_tool, "this server has no tool-call parser"),
-        ("echo", body.echo, "chat echo is not implemented"),
         (
             "prompt_logprobs",
             body.stream and body.prompt_logprobs is not None,
             "a chat stream has no place for them; ask without stream",
         ),
-        ("continue_final_message", body.continue_final_message, "not implemented"),
         ("audio", body.audio is not None, "this server generates text only"),
         ("modalities", body.modalities not in (None, ["text"]), "this server generates text only"),
         ("prediction", body.prediction is not None, "predicted outputs are not implemented"),
         ("web_search_options", body.web_search_options is not None, "this server has no web search"),
         ("reasoning_effort", body.reasoning_effort is not None, "the model has no reasoning mode here"),
-        ("chat_template", body.chat_template is not None, "the model's own chat template is used"),
-        ("chat_template_kwargs", bool(body.chat_template_kwargs), "the model's own chat template is used"),
+        (
+            "chat_template",
+            body.chat_template is not None,
+            "a template in a request is code the server would run; the model's own is used",
+        ),
     ]

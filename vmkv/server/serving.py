@@ -9,6 +9,7 @@ deltas, which a stream forwards and a plain response accumulates.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from vmkv.engine.structured_output import check_structured
 from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed, SampleDelta, TokenLogprob
 from vmkv.server.errors import APIError, bad_request, error_body
 from vmkv.server.limits import RequestLimits
+from vmkv.server.logprobs import LogprobFormatter
 from vmkv.server.metrics import RequestTimer, ServingMetrics
 from vmkv.server.protocol import (
     AssistantMessage,
@@ -32,22 +34,17 @@ from vmkv.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatMessage,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    PromptLogprobEntry,
-    PromptLogprobs,
     SamplingFields,
-    TopLogprob,
     Usage,
     now,
     random_id,
 )
-from vmkv.server.protocol import TokenLogprob as ChatTokenLogprob
 from vmkv.server.refusals import chat_refusals, check_supported, completion_refusals, sampling_refusals
 from vmkv.server.streaming import (
     DONE_EVENT,
@@ -72,7 +69,7 @@ class Submission:
     params: SamplingParams
     choice_offset: int
     cache_salt: str | None
-    echo: str = ""  # text each choice starts with (completions' echo: the prompt)
+    echo: str = ""  # text each choice starts with (the prompt, or chat's last assistant message)
 
 
 @dataclass
@@ -80,20 +77,25 @@ class Choice:
     """A sample's output so far."""
 
     index: int
-    echo: str = ""  # sent before the first generated text (completions' echo)
-    echo_ids: list[int] = field(default_factory=list)  # its tokens, for echo with logprobs
+    prompt_ids: list[int]  # for echo with logprobs and return_token_ids
+    echo: str = ""  # sent before the first generated text
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    started: bool = False  # a stream has sent a chunk of it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     def add(self, delta: SampleDelta) -> None:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text
-        self.num_tokens += len(delta.token_ids)
+        self.token_ids += delta.token_ids
         self.logprobs.extend(delta.logprobs or [])
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
@@ -107,13 +109,22 @@ class ChoiceDelta:
     delta: SampleDelta
     text_start: int
 
-    def worth_sending(self, with_logprobs: bool) -> bool:
+    def worth_sending(self, with_tokens: bool) -> bool:
+        """Whether a chunk should carry it; with_tokens: the request sees tokens (logprobs or
+        token ids), so a step that added tokens but no text yet is sent too."""
         delta = self.delta
-        return (
-            bool(delta.text) or delta.finish_reason is not None or (with_logprobs and bool(delta.token_ids))
-        )
+        return bool(delta.text) or delta.finish_reason is not None or (with_tokens and bool(delta.token_ids))
+
+    def prompt_ids_once(self, wanted: bool | None) -> list[int] | None:
+        """The prompt's token ids on the choice's first chunk of a stream, if the request wants them."""
+        first, self.choice.started = not self.choice.started, True
+        return self.choice.prompt_ids if wanted and first else None
 
 
+# apply_chat_template's own parameters: chat_template_kwargs reach the template only, never these.
+CHAT_TEMPLATE_PARAMETERS = frozenset(
+    inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+) - {"self", "kwargs"}
 # Texts longer than this are tokenized on a worker thread, so the event loop keeps serving.
 INLINE_TOKENIZE_CHARS = 8192
 # Normalization can merge characters (NFC composition), so a text of C characters may hold as
@@ -192,13 +203,39 @@ class OpenAIServing:
             raise bad_request(f"{param} is not a valid {spec.kind} constraint: {error}", param) from None
         return spec
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, object] | None = None,
+    ) -> str:
+        """The conversation as the model's chat template writes it. continue_final_message leaves
+        the last message open, so the answer continues it; template_kwargs are the template's
+        own variables (for example a switch some templates read)."""
         if not self.tokenizer.chat_template:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        if continue_final_message and add_generation_prompt:
+            raise bad_request(
+                "continue_final_message continues the last message instead of opening a new one; "
+                "set add_generation_prompt to false with it",
+                "continue_final_message",
+            )
+        template_kwargs = template_kwargs or {}
+        if taken := sorted(CHAT_TEMPLATE_PARAMETERS.intersection(template_kwargs)):
+            raise bad_request(
+                f"chat_template_kwargs may not set {', '.join(taken)}: those are the renderer's own "
+                "parameters, not template variables",
+                "chat_template_kwargs",
+            )
         conversation = [{"role": message.role, "content": message.text} for message in messages]
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **template_kwargs,
             )
         except Exception as error:  # a template may refuse a conversation (e.g. its role order)
             raise bad_request(f"the chat template refused these messages: {error}", "messages") from error
@@ -216,6 +253,23 @@ class OpenAIServing:
             return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         encoding = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=add_special_tokens)
         return encoding["input_ids"]
+
+    def truncated(self, prompt_ids: list[int], body: SamplingFields) -> list[int]:
+        """The prompt cut to truncate_prompt_tokens (-1: max_model_len): its last tokens, or its
+        first with truncation_side right; a limit over max_model_len is a 400, as in vLLM."""
+        keep, limit = body.truncate_prompt_tokens, self.engine.max_model_len
+        if keep is None:
+            return prompt_ids
+        if keep > limit:
+            raise bad_request(
+                f"truncate_prompt_tokens ({keep}) exceeds this model's maximum context length of {limit} "
+                "tokens",
+                "truncate_prompt_tokens",
+            )
+        keep = limit if keep == -1 else keep
+        if len(prompt_ids) <= keep:
+            return prompt_ids
+        return prompt_ids[len(prompt_ids) - keep :] if body.truncation_side == "left" else prompt_ids[:keep]
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
         """The request's generation budget; refuses one that cannot fit in max_model_len."""
@@ -253,6 +307,7 @@ class OpenAIServing:
         field to change: the engine's "prompt" is this route's `prompt_param`)."""
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(body.logit_bias or {}, "logit_bias")
+        self.check_token_ids(body.allowed_token_ids or [], "allowed_token_ids")
         if body.min_tokens > max_tokens:
             raise bad_request(
                 f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
@@ -266,6 +321,7 @@ class OpenAIServing:
             n=body.n,
             stop=body.stop_strings,
             stop_token_ids=list(body.stop_token_ids or []),
+            include_stop_str_in_output=body.include_stop_str_in_output,
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
@@ -278,6 +334,7 @@ class OpenAIServing:
             min_p=body.min_p,
             logit_bias=body.logit_bias,
             bad_words_token_ids=self.bad_words_token_ids(body.bad_words or []),
+            allowed_token_ids=body.allowed_token_ids,
             structured=structured,
         )
         try:
@@ -296,26 +353,30 @@ class OpenAIServing:
         prompts = completion_prompts(body)
         self.check_limits(len(prompts), body)
         structured = await self.structured_output(body)
-        for i, prompt_ids in enumerate(await self.prompt_token_ids(prompts, body.add_special_tokens)):
+        encoded = await self.prompt_token_ids(prompts, body.add_special_tokens)
+        for i, (prompt, whole) in enumerate(zip(prompts, encoded, strict=True)):
+            prompt_ids = self.truncated(whole, body)
             max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, "prompt")
-            submissions.append(
-                self.submission(
-                    f"{request_id}-{i}",
-                    prompt_ids,
-                    body,
-                    max_tokens,
-                    body.logprobs,
-                    i * body.n,
-                    structured,
-                    "prompt",
-                )
+            submission = self.submission(
+                f"{request_id}-{i}",
+                prompt_ids,
+                body,
+                max_tokens,
+                body.logprobs,
+                i * body.n,
+                structured,
+                "prompt",
             )
-        if body.echo:
-            for submission, prompt in zip(submissions, prompts, strict=True):
-                submission.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+            if body.echo:  # the prompt as the model saw it: its text unless cut or given as ids
+                uncut = isinstance(prompt, str) and len(prompt_ids) == len(whole)
+                submission.echo = prompt if uncut else self.tokenizer.decode(prompt_ids)
+            submissions.append(submission)
+        logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
         timer = self.metrics.timer()
         if body.stream:
-            return EventStreamResponse(self.completion_events(body, request_id, submissions, timer))
+            return EventStreamResponse(
+                self.completion_events(body, request_id, submissions, timer, logprob_format)
+            )
         choices = await self.collect_or_answer_disconnect(request, submissions, timer)
         if isinstance(choices, Response):
             return choices
@@ -326,12 +387,14 @@ class OpenAIServing:
                 CompletionChoice(
                     index=choice.index,
                     text=choice.echo + choice.text,
-                    logprobs=self.echoed_logprobs(choice, body.logprobs)
+                    logprobs=self.echoed_logprobs(logprob_format, choice, body.logprobs)
                     if body.logprobs is not None
                     else None,
-                    prompt_logprobs=self.prompt_logprobs(choice.prompt_logprobs, body.prompt_logprobs),
+                    prompt_logprobs=logprob_format.prompt(choice.prompt_logprobs, body.prompt_logprobs),
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
+                    prompt_token_ids=choice.prompt_ids if body.return_token_ids else None,
+                    token_ids=choice.token_ids if body.return_token_ids else None,
                 )
                 for choice in choices
             ],
@@ -349,19 +412,37 @@ class OpenAIServing:
         return [list(token_ids) for token_ids in prompts]
 
     async def completion_events(
-        self, body: CompletionRequest, request_id: str, submissions: list[Submission], timer: RequestTimer
+        self,
+        body: CompletionRequest,
+        request_id: str,
+        submissions: list[Submission],
+        timer: RequestTimer,
+        logprob_format: LogprobFormatter,
     ) -> AsyncGenerator[str, None]:
         created = now()
         choices = new_choices(submissions)
         with_logprobs = body.logprobs is not None
+
+        def chunk(chunk_choices: list[CompletionChoice], final_usage: bool = False) -> str:
+            usage_ = usage(submissions, choices) if final_usage or body.continuous_usage else None
+            return sse_event(
+                CompletionResponse(
+                    id=request_id, created=created, model=self.model_name, choices=chunk_choices, usage=usage_
+                )
+            )
+
         try:
             # The prompts first, as a chunk of their own; with logprobs they ride on each choice's
             # first chunk instead, since the prompt's logprobs arrive with the first token.
             if body.echo and not with_logprobs:
-                echoed = [CompletionChoice(index=choice.index, text=choice.echo) for choice in choices]
-                yield sse_event(
-                    CompletionResponse(id=request_id, created=created, model=self.model_name, choices=echoed)
-                )
+                echoed = []
+                for choice in choices:
+                    choice.started = True
+                    prompt_ids = choice.prompt_ids if body.return_token_ids else None
+                    echoed.append(
+                        CompletionChoice(index=choice.index, text=choice.echo, prompt_token_ids=prompt_ids)
+                    )
+                yield chunk(echoed)
             async with aclosing(self.choice_deltas(submissions, choices, timer)) as steps:
                 async for step in steps:
                     chunk_choices = [
@@ -369,42 +450,32 @@ class OpenAIServing:
                             index=item.choice.index,
                             text=(item.choice.echo if echoes else "") + item.delta.text,
                             logprobs=(
-                                self.echoed_logprobs(item.choice, body.logprobs, item)
+                                self.echoed_logprobs(logprob_format, item.choice, body.logprobs, item)
                                 if with_logprobs
                                 else None
                             ),
-                            prompt_logprobs=self.prompt_logprobs(
+                            prompt_logprobs=logprob_format.prompt(
                                 item.delta.prompt_logprobs, body.prompt_logprobs
                             ),
                             finish_reason=item.delta.finish_reason,
                             stop_reason=item.delta.stop_reason,
+                            prompt_token_ids=item.prompt_ids_once(body.return_token_ids),
+                            token_ids=item.delta.token_ids if body.return_token_ids else None,
                         )
                         for item in step
-                        if item.worth_sending(with_logprobs)
+                        if item.worth_sending(with_logprobs or bool(body.return_token_ids))
                         for echoes in [bool(item.choice.echo) and with_logprobs and item.text_start == 0]
                     ]
                     if chunk_choices:
-                        yield sse_event(
-                            CompletionResponse(
-                                id=request_id, created=created, model=self.model_name, choices=chunk_choices
-                            )
-                        )
+                        yield chunk(chunk_choices)
             if body.include_usage:
-                yield sse_event(
-                    CompletionResponse(
-                        id=request_id,
-                        created=created,
-                        model=self.model_name,
-                        choices=[],
-                        usage=usage(submissions, choices),
-                    )
-                )
+                yield chunk([], final_usage=True)
         except (EngineDeadError, RequestFailed, RequestRejected) as error:
             yield error_event(error)
         yield DONE_EVENT
 
     def echoed_logprobs(
-        self, choice: Choice, k: int | None, step: ChoiceDelta | None = None
+        self, logprob_format: LogprobFormatter, choice: Choice, k: int | None, step: ChoiceDelta | None = None
     ) -> CompletionLogprobs:
         """Logprobs of a choice's tokens (of one step's delta, if given), after the prompt's own
         when the prompt is echoed and this is the choice's start (vLLM's echo with logprobs;
@@ -412,62 +483,13 @@ class OpenAIServing:
         generated, text_start = (
             (choice.logprobs, 0) if step is None else (step.delta.logprobs or [], step.text_start)
         )
-        result = self.completion_logprobs(generated, len(choice.echo) + text_start)
+        result = logprob_format.completion(generated, len(choice.echo) + text_start)
         if not choice.echo or text_start != 0:
             return result
-        prompt = CompletionLogprobs()
-        offset = 0
-        for token_id, entry in zip(choice.echo_ids, choice.prompt_logprobs or [], strict=True):
-            token = self.token_text(token_id)
-            prompt.tokens.append(token)
-            prompt.text_offset.append(offset)
-            offset += len(token)
-            if entry is None:
-                prompt.token_logprobs.append(None)
-                prompt.top_logprobs.append(None)
-                continue
-            top = {token: entry[0][token_id]}
-            top.update((self.token_text(t), lp) for t, lp in list(entry[0].items())[: k or 0])
-            prompt.token_logprobs.append(entry[0][token_id])
-            prompt.top_logprobs.append(top)
+        prompt = logprob_format.echoed_prompt(choice.prompt_ids, choice.prompt_logprobs or [], k)
         for name in ("tokens", "text_offset", "token_logprobs", "top_logprobs"):
             getattr(prompt, name).extend(getattr(result, name))
         return prompt
-
-    def completion_logprobs(self, logprobs: list[TokenLogprob], text_start: int) -> CompletionLogprobs:
-        result = CompletionLogprobs()
-        offset = text_start
-        for entry in logprobs:
-            token = self.token_text(entry.token_id)
-            result.tokens.append(token)
-            result.token_logprobs.append(entry.logprob)
-            result.text_offset.append(offset)
-            top = {token: entry.logprob}
-            top.update((self.token_text(token_id), logprob) for token_id, logprob in entry.top)
-            result.top_logprobs.append(top)
-            offset += len(token)
-        return result
-
-    def prompt_logprobs(
-        self, entries: list[PromptLogprob | None] | None, k: int | None
-    ) -> PromptLogprobs | None:
-        """vLLM's prompt_logprobs: per prompt token, token id -> logprob, rank, decoded text.
-        An entry holds the top-k best first, then the prompt's own token if it is not among them."""
-        if entries is None or k is None:
-            return None
-        return [
-            None
-            if entry is None
-            else {
-                str(token_id): PromptLogprobEntry(
-                    logprob=logprob,
-                    rank=i + 1 if i < k else entry[1],
-                    decoded_token=self.token_text(token_id),
-                )
-                for i, (token_id, logprob) in enumerate(entry[0].items())
-            }
-            for entry in entries
-        ]
 
     # ----------------------------------------------------------------------------------- chat
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -476,17 +498,24 @@ class OpenAIServing:
         self.check_alive()
         self.check_limits(1, body)
         structured = await self.structured_output(body)
-        text = self.render_chat(body.messages, body.add_generation_prompt)
-        prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
+        text = self.render_chat(
+            body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+        )
+        prompt_ids = self.truncated(await self.encode(text, add_special_tokens=False, param="messages"), body)
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         request_id = random_id("chatcmpl")
-        submissions = [
-            self.submission(request_id, prompt_ids, body, max_tokens, logprobs, 0, structured, "messages")
-        ]
+        submission = self.submission(
+            request_id, prompt_ids, body, max_tokens, logprobs, 0, structured, "messages"
+        )
+        last = body.messages[-1]
+        if body.echo and last.role == "assistant":  # vLLM's chat echo: the message being continued
+            submission.echo = last.text
+        submissions = [submission]
+        logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
         timer = self.metrics.timer()
         if body.stream:
-            return EventStreamResponse(self.chat_events(body, request_id, submissions, timer))
+            return EventStreamResponse(self.chat_events(body, request_id, submissions, timer, logprob_format))
         choices = await self.collect_or_answer_disconnect(request, submissions, timer)
         if isinstance(choices, Response):
             return choices
@@ -496,30 +525,47 @@ class OpenAIServing:
             choices=[
                 ChatChoice(
                     index=choice.index,
-                    message=AssistantMessage(content=choice.text),
-                    logprobs=self.chat_logprobs(choice.logprobs, body.top_logprobs)
+                    message=AssistantMessage(content=choice.echo + choice.text),
+                    logprobs=logprob_format.chat(choice.logprobs, body.top_logprobs)
                     if body.logprobs
                     else None,
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
+                    token_ids=choice.token_ids if body.return_token_ids else None,
                 )
                 for choice in choices
             ],
             usage=usage(submissions, choices),
-            prompt_logprobs=self.prompt_logprobs(choices[0].prompt_logprobs, body.prompt_logprobs),
+            prompt_logprobs=logprob_format.prompt(choices[0].prompt_logprobs, body.prompt_logprobs),
+            prompt_token_ids=prompt_ids if body.return_token_ids else None,
         )
         return JSONResponse(response.model_dump())
 
     async def chat_events(
-        self, body: ChatCompletionRequest, request_id: str, submissions: list[Submission], timer: RequestTimer
+        self,
+        body: ChatCompletionRequest,
+        request_id: str,
+        submissions: list[Submission],
+        timer: RequestTimer,
+        logprob_format: LogprobFormatter,
     ) -> AsyncGenerator[str, None]:
         created = now()
         choices = new_choices(submissions)
 
-        def chunk(chunk_choices: list[ChatChunkChoice], usage_: Usage | None = None) -> str:
+        def chunk(
+            chunk_choices: list[ChatChunkChoice],
+            final_usage: bool = False,
+            prompt_ids: list[int] | None = None,
+        ) -> str:
+            usage_ = usage(submissions, choices) if final_usage or body.continuous_usage else None
             return sse_event(
                 ChatCompletionChunk(
-                    id=request_id, created=created, model=self.model_name, choices=chunk_choices, usage=usage_
+                    id=request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=chunk_choices,
+                    usage=usage_,
+                    prompt_token_ids=prompt_ids,
                 )
             )
 
@@ -528,8 +574,16 @@ class OpenAIServing:
                 [
                     ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))
                     for choice in choices
-                ]
+                ],
+                prompt_ids=submissions[0].prompt_ids if body.return_token_ids else None,
             )
+            if submissions[0].echo:
+                yield chunk(
+                    [
+                        ChatChunkChoice(index=choice.index, delta=DeltaMessage(content=choice.echo))
+                        for choice in choices
+                    ]
+                )
             async with aclosing(self.choice_deltas(submissions, choices, timer)) as steps:
                 async for step in steps:
                     chunk_choices = [
@@ -537,35 +591,24 @@ class OpenAIServing:
                             index=item.choice.index,
                             delta=DeltaMessage(content=item.delta.text or None),
                             logprobs=(
-                                self.chat_logprobs(item.delta.logprobs or [], body.top_logprobs)
+                                logprob_format.chat(item.delta.logprobs or [], body.top_logprobs)
                                 if body.logprobs
                                 else None
                             ),
                             finish_reason=item.delta.finish_reason,
                             stop_reason=item.delta.stop_reason,
+                            token_ids=item.delta.token_ids if body.return_token_ids else None,
                         )
                         for item in step
-                        if item.worth_sending(body.logprobs)
+                        if item.worth_sending(body.logprobs or bool(body.return_token_ids))
                     ]
                     if chunk_choices:
                         yield chunk(chunk_choices)
             if body.include_usage:
-                yield chunk([], usage(submissions, choices))
+                yield chunk([], final_usage=True)
         except (EngineDeadError, RequestFailed, RequestRejected) as error:
             yield error_event(error)
         yield DONE_EVENT
-
-    def chat_logprobs(self, logprobs: list[TokenLogprob], top_logprobs: int | None) -> ChatLogprobs:
-        def entry(token_id: int, logprob: float) -> TopLogprob:
-            token = self.token_text(token_id)
-            return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
-
-        content = []
-        for item in logprobs:
-            chosen = entry(item.token_id, item.logprob)
-            top = [entry(token_id, logprob) for token_id, logprob in item.top[: top_logprobs or 0]]
-            content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
-        return ChatLogprobs(content=content)
 
     # ------------------------------------------------------------------------ running requests
     async def choice_deltas(
@@ -617,9 +660,6 @@ class OpenAIServing:
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
 
 def completion_prompts(body: CompletionRequest) -> list[str] | list[list[int]]:
     """The request's prompts: one text, several texts, one token-id list or several."""
@@ -643,7 +683,7 @@ def prompt_logprobs_wanted(
 
 def new_choices(submissions: list[Submission]) -> list[Choice]:
     return [
-        Choice(index=s.choice_offset + i, echo=s.echo, echo_ids=s.prompt_ids if s.echo else [])
+        Choice(index=s.choice_offset + i, prompt_ids=s.prompt_ids, echo=s.echo)
         for s in submissions
         for i in range(s.params.n)
     ]
