@@ -18,7 +18,11 @@ from test_server import MODEL, LiveServer, Served, start_engine
 
 from vmkv import LLM, SamplingParams
 from vmkv.engine import AsyncLLM, RequestRejected
+from vmkv.engine.structured_output import check_structured
 from vmkv.server import EngineClient, build_app
+from vmkv.server.protocol import ChatCompletionRequest
+from vmkv.server.serving import template_message
+from vmkv.server.tool_calls import forced_tool, tool_calls
 
 PROMPT = [5, 6, 7, 8, 9, 10]  # token ids: the tiny model's text is noise anyway
 EOS = 2  # the tiny tokenizer's <|im_end|>
@@ -441,6 +445,138 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, served: 
     assert tokenized["tokens"] == token_ids(served, rendered)
 
 
+# ------------------------------------------------------------------------------ forced tool calls
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+DAYS = {
+    "type": "object",
+    "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "weather", "description": "Today's weather", "parameters": CITY},
+    },
+    {"type": "function", "function": {"name": "forecast", "parameters": DAYS}},
+]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_a_named_tool_choice_answers_one_call_with_valid_arguments(client: openai.OpenAI) -> None:
+    request = {
+        "model": MODEL,
+        "messages": ASK,
+        "max_tokens": 40,
+        "temperature": 0.0,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "weather"}},
+    }
+    answer = client.chat.completions.create(**request).choices[0]
+    (call,) = answer.message.tool_calls
+    assert (call.type, call.function.name, answer.message.content) == ("function", "weather", None)
+    assert jsonschema_rs.validator_for(CITY).is_valid(json.loads(call.function.arguments))
+    assert answer.finish_reason == "stop"  # OpenAI's for a named call
+    deltas = [
+        delta
+        for chunk in client.chat.completions.create(**request, stream=True)
+        if chunk.choices
+        for delta in chunk.choices[0].delta.tool_calls or []
+    ]
+    assert deltas[0].id and (deltas[0].type, deltas[0].function.name) == ("function", "weather")
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+
+
+def test_required_tool_choice_answers_calls_of_the_given_tools(client: openai.OpenAI) -> None:
+    request = {
+        "model": MODEL,
+        "messages": ASK,
+        "max_tokens": 60,
+        "temperature": 0.0,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,  # exactly one call: the random model would not stop at one
+    }
+    answer = client.chat.completions.create(**request).choices[0]
+    (call,) = answer.message.tool_calls
+    schema = {"weather": CITY, "forecast": DAYS}[call.function.name]
+    assert jsonschema_rs.validator_for(schema).is_valid(json.loads(call.function.arguments))
+    assert (answer.finish_reason, answer.message.content) == ("tool_calls", None)
+    chunks = [chunk for chunk in client.chat.completions.create(**request, stream=True) if chunk.choices]
+    (streamed,) = [d for chunk in chunks for d in chunk.choices[0].delta.tool_calls or []]
+    assert (streamed.function.name, streamed.function.arguments) == (
+        call.function.name,
+        call.function.arguments,
+    )
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_calls_parse_from_the_constrained_array_and_its_schema_compiles() -> None:
+    body = ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice="required")
+    spec = forced_tool(body)
+    check_structured(spec)  # xgrammar compiles it
+    answer = [
+        {"name": "weather", "parameters": {"city": "Paris"}},
+        {"name": "forecast", "parameters": {"days": 3}},
+    ]
+    assert jsonschema_rs.validator_for(json.loads(spec.spec)).is_valid(answer)
+    assert not jsonschema_rs.validator_for(json.loads(spec.spec)).is_valid([])
+    calls = tool_calls(body, json.dumps(answer))
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("weather", {"city": "Paris"}),
+        ("forecast", {"days": 3}),
+    ]
+    assert len({c.id for c in calls}) == 2
+    assert tool_calls(body, '[{"name": "weather", "param') is None  # cut by max_tokens: content instead
+
+
+def test_earlier_tool_calls_and_tool_answers_reach_the_template_as_templates_read_them(
+    client: openai.OpenAI,
+) -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+    }
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    rendered = [template_message(m) for m in ChatCompletionRequest(messages=history).messages]
+    assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert rendered[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    answer = client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=4, tools=TOOLS, tool_choice="none"
+    )
+    assert answer.choices[0].message.content is not None and answer.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"}, "tools"),
+    ],
+)
+def test_tool_requests_that_cannot_be_met_are_400s(client: openai.OpenAI, extra: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=extra)
+    assert caught.value.body["param"].startswith(param), caught.value.body
+
+
 # --------------------------------------------------------------------------- structured outputs
 PERSON = {
     "type": "object",
@@ -643,6 +779,7 @@ def test_completion_parameters_not_honoured_are_400s(
         ({"reasoning_effort": "low"}, "reasoning_effort"),
         ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is on
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ],
 )
 def test_chat_parameters_not_honoured_are_400s(client: openai.OpenAI, extra: dict, param: str) -> None:

@@ -211,9 +211,22 @@ class TextContentPart(OpenAIModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # the call a tool message answers
 
     @property
     def text(self) -> str:
@@ -222,6 +235,27 @@ class ChatMessage(OpenAIModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: JsonSchema | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: NonEmptyText
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -244,9 +278,15 @@ class ChatCompletionRequest(SamplingFields):
         default=False,
         description="Start each choice with the last message's content if it is the assistant's.",
     )
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None,
+        description='"required" or a named function constrain the answer to tool calls; "auto" is refused.',
+    )
+    parallel_tool_calls: StrictBool | None = Field(
+        default=None, description='false: "required" makes exactly one call.'
+    )
     # known and refused with a 400 when set: this server has no tool-call parser
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -271,8 +311,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 def sent_if_asked() -> Any:
-    """A field only some requests ask for (vLLM's return_token_ids): left out, not sent as null,
-    when unset; a serializer hook would cost every streamed chunk microseconds."""
+    """A field only some answers carry (token ids when asked for, tool calls when made): left
+    out, not sent as null, when unset; a serializer hook would cost every streamed chunk
+    microseconds."""
     return Field(default=None, exclude_if=lambda value: value is None)
 
 
@@ -339,7 +380,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is tool calls, as OpenAI sends it
+    tool_calls: list[ToolCall] | None = sent_if_asked()
 
 
 class ChatChoice(BaseModel):
@@ -364,11 +406,24 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = sent_if_asked()
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # on the call's first delta
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None  # on the call's first delta, with type and name
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     """Only the fields that changed are sent, as OpenAI does."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unchanged(self, handler: SerializerFunctionWrapHandler) -> dict:

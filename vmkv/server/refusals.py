@@ -41,12 +41,17 @@ def completion_refusals(body: CompletionRequest) -> list[Refusal]:
 
 
 def chat_refusals(body: ChatCompletionRequest) -> list[Refusal]:
-    no_tool = (None, "none")
+    no_parser = "choosing whether to call a tool needs a parser of the model's tool-call format"
     return [
-        ("tools", bool(body.tools) and body.tool_choice != "none", "this server has no tool-call parser"),
-        ("tool_choice", body.tool_choice not in no_tool, "this server has no tool-call parser"),
-        ("functions", bool(body.functions), "this server has no tool-call parser"),
-        ("function_call", body.function_call not in no_tool, "this server has no tool-call parser"),
+        (
+            "tools",
+            bool(body.tools) and body.tool_choice is None,
+            f'tool_choice defaults to "auto" with tools, and {no_parser}; set tool_choice to "required", '
+            'a function, or "none"',
+        ),
+        ("tool_choice", body.tool_choice == "auto", f'{no_parser}; use "required" or name a function'),
+        ("functions", bool(body.functions), "deprecated by OpenAI; use tools"),
+        ("function_call", body.function_call not in (None, "none"), "deprecated by OpenAI; use tool_choice"),
         (
             "prompt_logprobs",
             body.stream and body.prompt_logprobs is not None,

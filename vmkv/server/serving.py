@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -55,6 +56,14 @@ from vmkv.server.streaming import (
     until_disconnected,
 )
 from vmkv.server.structured_request import structured_specs
+from vmkv.server.tool_calls import (
+    ToolCallStream,
+    finish_reason,
+    forced_tool,
+    forces_calls,
+    template_tools,
+    tool_calls,
+)
 
 # The status nginx made the convention for "client closed the request"; nobody is left to read it.
 CLIENT_CLOSED_REQUEST = 499
@@ -109,11 +118,15 @@ class ChoiceDelta:
     delta: SampleDelta
     text_start: int
 
-    def worth_sending(self, with_tokens: bool) -> bool:
-        """Whether a chunk should carry it; with_tokens: the request sees tokens (logprobs or
-        token ids), so a step that added tokens but no text yet is sent too."""
+    def worth_sending(self, with_tokens: bool, with_text: bool = True) -> bool:
+        """Whether a chunk should carry it: new text (unless the caller judges the text itself),
+        the finish, or, when the request sees tokens (logprobs or token ids), new tokens."""
         delta = self.delta
-        return bool(delta.text) or delta.finish_reason is not None or (with_tokens and bool(delta.token_ids))
+        return (
+            (with_text and bool(delta.text))
+            or delta.finish_reason is not None
+            or (with_tokens and bool(delta.token_ids))
+        )
 
     def prompt_ids_once(self, wanted: bool | None) -> list[int] | None:
         """The prompt's token ids on the choice's first chunk of a stream, if the request wants them."""
@@ -121,10 +134,11 @@ class ChoiceDelta:
         return self.choice.prompt_ids if wanted and first else None
 
 
-# apply_chat_template's own parameters: chat_template_kwargs reach the template only, never these.
-CHAT_TEMPLATE_PARAMETERS = frozenset(
-    inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-) - {"self", "kwargs"}
+# apply_chat_template's own parameters, and `messages`, the variable it renders the conversation
+# as: chat_template_kwargs reach the template's other variables, never these.
+CHAT_TEMPLATE_PARAMETERS = (
+    frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
+) | {"messages"}
 # Texts longer than this are tokenized on a worker thread, so the event loop keeps serving.
 INLINE_TOKENIZE_CHARS = 8192
 # Normalization can merge characters (NFC composition), so a text of C characters may hold as
@@ -185,11 +199,14 @@ class OpenAIServing:
                 sequences.append(spaced)
         return sequences
 
-    async def structured_output(self, body: SamplingFields) -> StructuredOutput | None:
-        """The request's output constraint, from whichever of response_format, structured_outputs
-        or guided_* names one (two at once is a 400); a spec that does not parse is a 400 too. It is
-        parsed on a worker thread: a large schema must not stall every stream on the event loop."""
-        found = [(param, spec) for param, spec in structured_specs(body) if spec is not None]
+    async def structured_output(
+        self, body: SamplingFields, more: list[tuple[str, StructuredOutput | None]] = ()
+    ) -> StructuredOutput | None:
+        """The request's output constraint, from whichever of response_format, structured_outputs,
+        guided_* or `more` (a chat's forced tool calls) names one (two at once is a 400); a spec
+        that does not parse is a 400 too. It is parsed on a worker thread: a large schema must not
+        stall every stream on the event loop."""
+        found = [(param, spec) for param, spec in [*structured_specs(body), *more] if spec is not None]
         if len(found) > 1:
             raise bad_request(
                 f"give one output constraint, not {found[0][0]} and {found[1][0]} together", found[1][0]
@@ -209,10 +226,12 @@ class OpenAIServing:
         add_generation_prompt: bool,
         continue_final_message: bool = False,
         template_kwargs: dict[str, object] | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """The conversation as the model's chat template writes it. continue_final_message leaves
         the last message open, so the answer continues it; template_kwargs are the template's
-        own variables (for example a switch some templates read)."""
+        own variables (for example a switch some templates read); tools go to templates that
+        describe them to the model."""
         if not self.tokenizer.chat_template:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         if continue_final_message and add_generation_prompt:
@@ -228,10 +247,11 @@ class OpenAIServing:
                 "parameters, not template variables",
                 "chat_template_kwargs",
             )
-        conversation = [{"role": message.role, "content": message.text} for message in messages]
+        conversation = [template_message(message) for message in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 conversation,
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -497,9 +517,13 @@ class OpenAIServing:
         check_supported(chat_refusals(body) + sampling_refusals(body))
         self.check_alive()
         self.check_limits(1, body)
-        structured = await self.structured_output(body)
+        structured = await self.structured_output(body, [("tool_choice", forced_tool(body))])
         text = self.render_chat(
-            body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+            body.messages,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template_kwargs,
+            template_tools(body),
         )
         prompt_ids = self.truncated(await self.encode(text, add_special_tokens=False, param="messages"), body)
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
@@ -522,24 +546,25 @@ class OpenAIServing:
         response = ChatCompletionResponse(
             id=request_id,
             model=self.model_name,
-            choices=[
-                ChatChoice(
-                    index=choice.index,
-                    message=AssistantMessage(content=choice.echo + choice.text),
-                    logprobs=logprob_format.chat(choice.logprobs, body.top_logprobs)
-                    if body.logprobs
-                    else None,
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                    token_ids=choice.token_ids if body.return_token_ids else None,
-                )
-                for choice in choices
-            ],
+            choices=[self.chat_choice(body, choice, logprob_format) for choice in choices],
             usage=usage(submissions, choices),
             prompt_logprobs=logprob_format.prompt(choices[0].prompt_logprobs, body.prompt_logprobs),
             prompt_token_ids=prompt_ids if body.return_token_ids else None,
         )
         return JSONResponse(response.model_dump())
+
+    def chat_choice(
+        self, body: ChatCompletionRequest, choice: Choice, logprob_format: LogprobFormatter
+    ) -> ChatChoice:
+        calls = tool_calls(body, choice.text)
+        return ChatChoice(
+            index=choice.index,
+            message=AssistantMessage(content=None if calls else choice.echo + choice.text, tool_calls=calls),
+            logprobs=logprob_format.chat(choice.logprobs, body.top_logprobs) if body.logprobs else None,
+            finish_reason=finish_reason(body, choice.finish_reason, bool(calls)),
+            stop_reason=choice.stop_reason,
+            token_ids=choice.token_ids if body.return_token_ids else None,
+        )
 
     async def chat_events(
         self,
@@ -551,6 +576,16 @@ class OpenAIServing:
     ) -> AsyncGenerator[str, None]:
         created = now()
         choices = new_choices(submissions)
+        # with tool calls forced, each choice's text turns into tool-call deltas
+        calls = {choice.index: ToolCallStream(body) for choice in choices} if forces_calls(body) else None
+
+        with_tokens = body.logprobs or bool(body.return_token_ids)
+
+        def delta_message(item: ChoiceDelta) -> DeltaMessage | None:
+            """What the choice says this step: its new text, or the tool calls it makes."""
+            if calls is None:
+                return DeltaMessage(content=item.delta.text) if item.delta.text else None
+            return calls[item.choice.index].delta(item.delta.text, item.delta.finish_reason is not None)
 
         def chunk(
             chunk_choices: list[ChatChunkChoice],
@@ -586,22 +621,28 @@ class OpenAIServing:
                 )
             async with aclosing(self.choice_deltas(submissions, choices, timer)) as steps:
                 async for step in steps:
-                    chunk_choices = [
-                        ChatChunkChoice(
-                            index=item.choice.index,
-                            delta=DeltaMessage(content=item.delta.text or None),
-                            logprobs=(
-                                logprob_format.chat(item.delta.logprobs or [], body.top_logprobs)
-                                if body.logprobs
-                                else None
-                            ),
-                            finish_reason=item.delta.finish_reason,
-                            stop_reason=item.delta.stop_reason,
-                            token_ids=item.delta.token_ids if body.return_token_ids else None,
+                    chunk_choices = []
+                    for item in step:
+                        delta = delta_message(item)
+                        if delta is None and not item.worth_sending(with_tokens, with_text=False):
+                            continue
+                        delta = delta or DeltaMessage()
+                        chunk_choices.append(
+                            ChatChunkChoice(
+                                index=item.choice.index,
+                                delta=delta,
+                                logprobs=(
+                                    logprob_format.chat(item.delta.logprobs or [], body.top_logprobs)
+                                    if body.logprobs
+                                    else None
+                                ),
+                                finish_reason=finish_reason(
+                                    body, item.delta.finish_reason, bool(delta.tool_calls)
+                                ),
+                                stop_reason=item.delta.stop_reason,
+                                token_ids=item.delta.token_ids if body.return_token_ids else None,
+                            )
                         )
-                        for item in step
-                        if item.worth_sending(body.logprobs or bool(body.return_token_ids))
-                    ]
                     if chunk_choices:
                         yield chunk(chunk_choices)
             if body.include_usage:
@@ -659,6 +700,32 @@ class OpenAIServing:
             raise bad_request(str(error)) from error
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+def template_message(message: ChatMessage) -> dict:
+    """A message as chat templates read it: earlier tool calls with their arguments as objects
+    (templates write them with `tojson`, as vLLM passes them), a tool's answer with its call id."""
+    rendered: dict = {"role": message.role, "content": message.text}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {"name": call.function.name, "arguments": arguments},
+            }
+            for call in message.tool_calls
+            for arguments in [json_or_text(call.function.arguments)]
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def json_or_text(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def completion_prompts(body: CompletionRequest) -> list[str] | list[list[int]]:
