@@ -847,6 +847,24 @@ def test_n_beyond_the_caches_slots_is_refused_up_front(tiny_model_dir: Path) -> 
     engine.shutdown()
 
 
+def test_priority_is_served_by_a_priority_server_and_refused_by_an_fcfs_one(
+    client: openai.OpenAI, served: Served, tiny_model_dir: Path
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(client, priority=-5)
+    assert caught.value.body["param"] == "priority" and "scheduling-policy" in caught.value.body["message"]
+    expected = complete(client).choices[0].text
+    options = {"kv_mode": "paged", "dtype": "float32", "max_model_len": 256, "scheduling_policy": "priority"}
+    engine = EngineClient(AsyncLLM(model=str(tiny_model_dir), **options))
+    with LiveServer(build_app(engine, MODEL)) as server:
+        prioritized = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        assert complete(prioritized, priority=-5).choices[0].text == expected
+        with pytest.raises(openai.BadRequestError) as caught:
+            complete(prioritized, priority=2**63)
+        assert caught.value.body["param"] == "priority"
+    engine.shutdown()
+
+
 VLLM_METRICS = {
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",

@@ -213,6 +213,24 @@ def test_cache_salt_isolates_the_prefix_cache(tiny_model_dir: Path, prompts: lis
     llm.close()
 
 
+def test_priority_orders_requests_only_under_the_priority_policy(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    fcfs = make_llm(tiny_model_dir)
+    expected = [out.outputs[0].token_ids for out in fcfs.generate(prompts[:3], greedy)]
+    with pytest.raises(RequestRejected, match="scheduling-policy priority") as caught:
+        fcfs.generate(prompts[:3], greedy, priority=[0, 1, 0])
+    assert caught.value.param == "priority" and not fcfs.engine.has_unfinished_requests()
+    fcfs.close()
+    llm = make_llm(tiny_model_dir, scheduling_policy="priority", max_num_seqs=1)  # one at a time
+    outputs = llm.generate(prompts[:3], greedy, priority=[2, 0, 1])
+    llm.close()
+    assert [out.outputs[0].token_ids for out in outputs] == expected
+    finish_order = sorted(range(3), key=lambda i: outputs[i].metrics.finished_time)
+    assert finish_order == [1, 2, 0]
+
+
 def test_logprobs_are_the_model_distribution(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
     llm = make_llm(tiny_model_dir)
     out = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=6, logprobs=3))[0].outputs[0]

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
 from vmkv.engine import (
@@ -30,7 +31,7 @@ from vmkv.engine import (
     SamplingParams,
 )
 from vmkv.engine.engine_core import EngineCore
-from vmkv.engine.ipc import AddRequest, new_addresses
+from vmkv.engine.ipc import AddRequest, Command, new_addresses
 
 ENGINE = {
     "kv_mode": "paged",
@@ -111,6 +112,30 @@ def test_the_core_sends_each_token_once_and_refuses_a_duplicate_id(tiny_model_di
     offline = LLM(str(tiny_model_dir), **ENGINE)
     assert sent == offline.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
     offline.close()
+
+
+def test_a_commands_priority_reaches_the_scheduler_and_fcfs_refuses_one(tiny_model_dir: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def wire(command: AddRequest) -> Command:  # as the socket carries it
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(command), type=Command)
+
+    core = EngineCore(
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), **ENGINE), detokenize=False), *new_addresses()
+    )
+    try:
+        [rejected] = core.apply(wire(AddRequest("a", [5, 6, 7], params, None, priority=1)))
+        assert "scheduling-policy priority" in rejected.rejected
+    finally:
+        core.close()
+    config = EngineConfig(model=str(tiny_model_dir), scheduling_policy="priority", **ENGINE)
+    core = EngineCore(LLMEngine(config, detokenize=False), *new_addresses())
+    try:
+        for request_id, priority in [("late", 9), ("soon", -3), ("plain", 0)]:
+            assert core.apply(wire(AddRequest(request_id, [5, 6, 7], params, None, priority))) == []
+        assert [g.request_id for g in core.engine.scheduler.waiting] == ["soon", "plain", "late"]
+    finally:
+        core.close()
 
 
 def test_one_engine_serves_event_loops_one_after_another_and_at_once(tiny_model_dir: Path) -> None:

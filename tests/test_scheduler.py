@@ -94,10 +94,14 @@ class TokenCache(KVCache):
 SHAPE = KVShape(1, 1, 1, None)  # unused by TokenCache
 
 
-def make_group(arrival: int, prompt_len: int, max_tokens: int = 4, n: int = 1) -> SequenceGroup:
+def make_group(
+    arrival: int, prompt_len: int, max_tokens: int = 4, n: int = 1, priority: int = 0
+) -> SequenceGroup:
     prompt = list(range(1, prompt_len + 1))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n)
-    group = SequenceGroup(str(arrival), arrival, None, prompt, params, [], RequestMetrics(0.0))
+    group = SequenceGroup(
+        str(arrival), arrival, None, prompt, params, [], RequestMetrics(0.0), priority=priority
+    )
     group.seqs.append(Sequence(arrival * 10, 0, list(prompt), prompt_len, detokenizer=None, generator=None))
     return group
 
@@ -184,6 +188,28 @@ def test_recompute_preempts_the_newest_and_resumes_it_before_new_work() -> None:
     while scheduler.has_unfinished():
         run_step(scheduler)
     assert all(len(g.seqs[0].token_ids) == g.seqs[0].prompt_len + g.params.max_tokens for g in (old, new))
+
+
+def test_priority_policy_admits_the_lowest_priority_first_and_preempts_the_highest() -> None:
+    scheduler, _ = make_scheduler(26, max_num_seqs=2, scheduling_policy="priority")
+    background = make_group(0, 10, max_tokens=8, priority=5)
+    urgent = make_group(1, 10, max_tokens=8, priority=-1)
+    normal = make_group(2, 3, max_tokens=2, priority=0)
+    for group in (background, normal, urgent):
+        scheduler.add(group)
+    assert scheduler.waiting == [urgent, normal, background]
+    assert set(scheduled_ids(run_step(scheduler))) == {10, 20}  # urgent and normal; background waits
+    while not normal.finished:
+        run_step(scheduler)
+    preempted = 0
+    for _ in range(6):  # background comes in, then both grow past the 26 tokens there are
+        preempted += run_step(scheduler).num_preempted
+    # under fcfs the newest (urgent) would go; here the highest priority value does
+    assert preempted >= 1 and background.metrics.num_preemptions >= 1
+    assert urgent.metrics.num_preemptions == 0
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+    assert urgent.finished and background.finished
 
 
 def test_swap_preemption_moves_kv_out_and_back_in_order() -> None:

@@ -15,7 +15,14 @@ from collections.abc import Collection
 import torch
 
 from vmkv.engine import gemv_kernel
-from vmkv.engine.config import DTYPES, KV_MODES, KV_ORDERS, PREEMPTION_MODES, EngineConfig
+from vmkv.engine.config import (
+    DTYPES,
+    KV_MODES,
+    KV_ORDERS,
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
 from vmkv.engine.cpu_linear import has_native_half_gemm
 from vmkv.model.store import DEFAULT_MODEL
 
@@ -99,6 +106,13 @@ def add_engine_arguments(
         default=d.max_num_batched_tokens,
     )
     add("preemption_mode", "--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode)
+    add(
+        "scheduling_policy",
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=d.scheduling_policy,
+        help="fcfs: arrival order; priority: each request's priority (lower first), then arrival",
+    )
     add(
         "block_size",
         "--block-size",

@@ -81,16 +81,18 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after every step that advanced it, until finished.
 
         Raises RequestRejected on the first iteration if the request can never run, EngineDead
         if the engine thread has stopped or stops meanwhile. Closing the iterator early (client
         gone, cancellation) aborts the request and frees its KV. Cached prefixes are shared only
-        among requests with the same cache_salt.
+        among requests with the same cache_salt; under the priority policy a lower priority
+        runs first.
         """
         request_id = request_id or uuid.uuid4().hex
-        stream = self._open_stream(request_id, prompt, params or SamplingParams(), cache_salt)
+        stream = self._open_stream(request_id, prompt, params or SamplingParams(), cache_salt, priority)
         finished = False
         try:
             async for item in outputs_until_finished(stream.queue):
@@ -103,9 +105,15 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def _open_stream(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, cache_salt: str | None
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        priority: int,
     ) -> _Stream:
         """Validate in the caller's thread (raises RequestRejected), then queue the request."""
+        self.info.check_priority(priority)
         text, prompt_ids = self.engine.validate(prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
@@ -115,7 +123,7 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, prompt if text is None else text, params, cache_salt))
+        self._inbox.put(("add", request_id, prompt if text is None else text, params, cache_salt, priority))
         self._wake.set()
         return stream
 
@@ -184,9 +192,9 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if message[0] == "add":
-                _, request_id, prompt, params, cache_salt = message
+                _, request_id, prompt, params, cache_salt, priority = message
                 try:
-                    self.engine.add_request(request_id, prompt, params, cache_salt)
+                    self.engine.add_request(request_id, prompt, params, cache_salt, priority)
                 except RequestRejected as exc:
                     self._deliver_error(request_id, exc)
             else:

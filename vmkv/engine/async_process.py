@@ -134,6 +134,7 @@ class AsyncProcessLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncLLM.generate: the request's cumulative output after every step that advanced it.
 
@@ -145,6 +146,7 @@ class AsyncProcessLLM:
         text, prompt_ids = self.validate(prompt, params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        self.info.check_priority(priority)
         state = RequestState(request_id, text, prompt_ids, params, self.tokenizer)
         stream = _Stream(state, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
@@ -154,7 +156,7 @@ class AsyncProcessLLM:
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._send_locked(AddRequest(request_id, prompt_ids, params, cache_salt))
+            self._send_locked(AddRequest(request_id, prompt_ids, params, cache_salt, priority))
         finished = False
         try:
             async for item in outputs_until_finished(stream.queue):

@@ -10,6 +10,7 @@ from vmkv.vattention.geometry import ORDERS
 
 KV_MODES = ("vattention", "paged", "contiguous")
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_ORDERS = ("auto", *ORDERS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,6 +37,9 @@ class EngineConfig:
     # 4,096 was no faster (docs/engine.md, "Scheduler policy")
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"
+    # fcfs: requests run in arrival order; priority: by each request's priority (lower first,
+    # then arrival), which also decides who is preempted (vLLM's policies)
+    scheduling_policy: str = "fcfs"
     block_size: int = 16  # paged layout only
     page_size: int | None = None  # vattention layout only, in bytes; None: the layout's default
     # vattention layout only: where a sequence's K/V rows lie in its virtual range (geometry.py).
@@ -75,6 +79,10 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")

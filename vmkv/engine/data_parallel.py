@@ -140,11 +140,13 @@ class DataParallelLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncProcessLLM.generate, on the replica the router picks."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         _, prompt_ids = self.validate(prompt, params)
+        self.info.check_priority(priority)
         if request_id in self._where:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         if self.routing == "round-robin":
@@ -158,7 +160,7 @@ class DataParallelLLM:
         replica.load += cost
         self._where[request_id] = replica
         try:
-            async for output in replica.llm.generate(prompt, params, request_id, cache_salt):
+            async for output in replica.llm.generate(prompt, params, request_id, cache_salt, priority):
                 yield output
         finally:
             replica.load -= cost

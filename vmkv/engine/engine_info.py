@@ -24,6 +24,7 @@ class EngineInfo:
     # the KV cache's allocation units (slots, blocks, pages): every sample holds one of its own
     kv_units: int
     kv_unit: str
+    scheduling_policy: str = "fcfs"
 
     def prompt_token_ids(
         self, tokenizer: object, prompt: str | Sequence[int]
@@ -40,6 +41,17 @@ class EngineInfo:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
         return None, ids
+
+    def check_priority(self, priority: object) -> None:
+        """Raises RequestRejected for a priority this engine cannot honour: any but 0 under fcfs."""
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise RequestRejected(f"priority must be a 64-bit integer, got {priority!r}", "priority")
+        if priority and self.scheduling_policy != "priority":
+            raise RequestRejected(
+                "priority needs the priority scheduling policy (--scheduling-policy priority); this "
+                "engine serves requests in arrival order",
+                "priority",
+            )
 
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
         """Raises RequestRejected if the request could never run on this engine."""

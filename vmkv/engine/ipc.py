@@ -29,6 +29,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
+    priority: int = 0
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

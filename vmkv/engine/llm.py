@@ -28,12 +28,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list (text, or token ids); outputs come in prompt order.
 
         Every request is validated before any runs, so a rejected one (RequestRejected)
         leaves the engine untouched. Cached prefixes are shared only among requests with the
-        same cache_salt.
+        same cache_salt. `priority`, one per prompt, orders them under the priority policy.
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -42,12 +43,15 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, rank in zip(prompts, params, priorities, strict=True):
                 request_id = str(self._next_id)
                 self._next_id += 1
-                self.engine.add_request(request_id, prompt, p, cache_salt)
+                self.engine.add_request(request_id, prompt, p, cache_salt, rank)
                 ids.append(request_id)
         except BaseException:
             for request_id in ids:

@@ -115,6 +115,7 @@ class LLMEngine:
             eos_token_ids=_eos_token_ids(self.runner.model, self.tokenizer),
             kv_units=self.cache.stats().units_total,
             kv_unit=self.cache.stats().unit,
+            scheduling_policy=config.scheduling_policy,
         )
         self.sampler = Sampler(config.seed, self.runner.device, self.info.eos_token_ids)
         # structured-output grammars compile on a worker thread; their requests wait there
@@ -143,17 +144,20 @@ class LLMEngine:
         prompt: str | SequenceABC[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> SequenceGroup:
         """Queue a request; raises RequestRejected if it could never be served.
 
         Requests share cached prompt prefixes only when their cache_salt is equal, so a
-        tenant's salt keeps others from learning (by timing) what it has sent.
+        tenant's salt keeps others from learning (by timing) what it has sent. Under the
+        priority scheduling policy a lower priority runs first (and is preempted last).
         """
         params = params or SamplingParams()
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        self.info.check_priority(priority)
         text, prompt_ids = self.validate(prompt, params)
         if params.prompt_logprobs is not None:  # a cached token has no logits: share nothing
             cache_salt = f"prompt-logprobs:{uuid.uuid4().hex}"
@@ -166,6 +170,7 @@ class LLMEngine:
             seqs=[],
             metrics=RequestMetrics(arrival_time=time.monotonic()),
             cache_salt=cache_salt,
+            priority=priority,
         )
         self._next_arrival += 1
         self._new_seq(group, list(prompt_ids), index=0)
@@ -359,7 +364,7 @@ class LLMEngine:
         retried, unless its forwards already failed FORWARD_RETRIES times in a row: that one fails."""
         groups = {id(g): g for g in (self._group_of[s.seq.seq_id] for s in scheduled)}.values()
         failed = []
-        for group in sorted(groups, key=lambda g: g.arrival, reverse=True):  # oldest ends in front
+        for group in groups:
             tries = self._forward_failures.get(group.request_id, 0) + 1
             self._forward_failures[group.request_id] = tries
             if tries > FORWARD_RETRIES:
@@ -370,8 +375,7 @@ class LLMEngine:
                     self.cache.free(seq.seq_id)
                 seq.reset_cache_state()
             self.scheduler.running.remove(group)
-            group.status = RequestStatus.PREEMPTED
-            self.scheduler.waiting.appendleft(group)
+            self.scheduler.requeue(group)
         return self._fail(failed, f"the model forward failed {FORWARD_RETRIES + 1} times: {error!r}")
 
     def _fail(self, groups: Iterable[SequenceGroup], reason: str) -> list[RequestOutput]:

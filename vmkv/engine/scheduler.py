@@ -1,13 +1,15 @@
-"""Iteration-level FCFS continuous batching over the KV-cache contract.
+"""Iteration-level continuous batching over the KV-cache contract.
 
-Each step the scheduler picks which sequences run and how many tokens each writes:
+Every queue is kept in queue order: arrival (FCFS), or under the priority policy each
+request's priority first (lower runs first), then arrival. Each step the scheduler picks
+which sequences run and how many tokens each writes:
 1. running groups that decode (one token per sample), then running groups still
    prefilling (a chunk each), under the step's token budget;
 2. if nothing was preempted this step: swapped groups back in, then waiting groups
-   (preempted ones first, all in arrival order), while sequences, tokens and KV last.
+   (preempted ones first, all in queue order), while sequences, tokens and KV last.
 
 Before a sequence is scheduled the cache must have room for every token the step writes
-(fork, grow). When it has not, the most recently arrived running group is preempted,
+(fork, grow). When it has not, the running group last in queue order is preempted,
 by recompute (free its KV; it re-prefills prompt + generated tokens later) or by swap
 (its KV moves to host memory). A group that cannot get memory even alone is retried on
 the next few steps (a driver's ENOMEM can be momentary: the machine short of memory, a
@@ -18,7 +20,6 @@ front doors refuse up front what could never fit the cache, so this is not about
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from dataclasses import dataclass, field
 
 from vmkv.engine.config import EngineConfig
@@ -30,6 +31,12 @@ from vmkv.kv_cache import KVCache, OutOfKVMemory, UpcomingPrompt
 WATERMARK = 0.01
 # Steps in a row a group alone in the cache may fail to get memory before it fails.
 ALONE_RETRIES = 4
+
+
+def queue_order(group: SequenceGroup) -> tuple[int, int]:
+    """Who goes first: the lower priority (always 0 under fcfs), then the earlier arrival; a
+    preempted group keeps its place, ahead of the groups that arrived after it."""
+    return group.priority, group.arrival
 
 
 @dataclass
@@ -58,9 +65,10 @@ class Scheduler:
     def __init__(self, config: EngineConfig, cache: KVCache) -> None:
         self.config = config
         self.cache = cache
-        self.waiting: deque[SequenceGroup] = deque()
-        self.running: list[SequenceGroup] = []  # arrival order: the last one is preempted first
-        self.swapped: deque[SequenceGroup] = deque()
+        # each in queue order: the head of waiting and swapped runs next, running's last is preempted
+        self.waiting: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
         self.watermark_tokens = int(cache.free_capacity() * WATERMARK)
 
@@ -74,7 +82,12 @@ class Scheduler:
 
     # ---------------------------------------------------------- lifecycle
     def add(self, group: SequenceGroup) -> None:
-        self.waiting.append(group)
+        bisect.insort(self.waiting, group, key=queue_order)
+
+    def requeue(self, group: SequenceGroup) -> None:
+        """Back to waiting, its KV already freed: it re-prefills when it comes to the head again."""
+        group.status = RequestStatus.PREEMPTED
+        bisect.insort(self.waiting, group, key=queue_order)
 
     def finish(self, group: SequenceGroup, reason: FinishReason) -> None:
         """End a group early (abort, error): finish its live samples and give back its KV."""
@@ -209,11 +222,10 @@ class Scheduler:
         if self.config.preemption_mode == "swap":
             self.cache.swap_out([s.seq_id for s in group.seqs if s.num_allocated])
             group.status = RequestStatus.SWAPPED
-            self.swapped.appendleft(group)  # newest preempted first, so the oldest ends in front
+            bisect.insort(self.swapped, group, key=queue_order)
         else:
             self._free_all(group)
-            group.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(group)
+            self.requeue(group)
 
     def _free_all(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
@@ -250,7 +262,7 @@ class Scheduler:
                 self.cache.swap_in([s.seq_id for s in group.seqs if s.num_allocated])
             except OutOfKVMemory:
                 break
-            self.swapped.popleft()
+            self.swapped.pop(0)
             self._start(group)
             plan = self._plan(group, budget)
             if plan and self._reserve(group):
@@ -274,7 +286,7 @@ class Scheduler:
                     continue  # failed: finish() took it off the queue
                 break
             group.alone_failures = 0
-            self.waiting.popleft()
+            self.waiting.pop(0)
             self._start(group)
             plan = self._plan(group, budget)
             planned[group] = plan
@@ -297,4 +309,4 @@ class Scheduler:
 
     def _start(self, group: SequenceGroup) -> None:
         group.status = RequestStatus.RUNNING
-        bisect.insort(self.running, group, key=lambda g: g.arrival)
+        bisect.insort(self.running, group, key=queue_order)

@@ -82,7 +82,7 @@ class SequenceGroup:
     """A request: its prompt, parameters and n samples (one until the prompt is prefilled)."""
 
     request_id: str
-    arrival: int  # admission order: FCFS scheduling and preemption compare these
+    arrival: int  # admission order: scheduling and preemption compare (priority, arrival)
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -90,6 +90,7 @@ class SequenceGroup:
     metrics: RequestMetrics
     # Prefix-cache identity: only requests with equal salts share cached KV (paged layout).
     cache_salt: str | None = None
+    priority: int = 0  # lower runs first under the priority policy; always 0 under fcfs
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None
     alone_failures: int = 0  # steps in a row it got no KV memory with nothing else holding any

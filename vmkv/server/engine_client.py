@@ -80,13 +80,24 @@ class EngineClient:
         """Raises RequestRejected for a request the engine could never run; changes nothing."""
         self.llm.validate(prompt_ids, params)
 
+    def check_priority(self, priority: int) -> None:
+        """Raises RequestRejected for a priority the engine's scheduling policy cannot honour."""
+        self.llm.info.check_priority(priority)
+
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[list[SampleDelta], None]:
         """One list of deltas per engine step that advanced the request, until every sample ends."""
         sent: dict[int, _Sent] = {}
         prompt_logprobs_sent = False
-        stream = self.llm.generate(prompt_ids, params, request_id=request_id, cache_salt=cache_salt)
+        stream = self.llm.generate(
+            prompt_ids, params, request_id=request_id, cache_salt=cache_salt, priority=priority
+        )
         try:
             async for output in stream:
                 if output.error is not None:

@@ -159,6 +159,9 @@ class SamplingFields(OpenAIModel):
     return_token_ids: StrictBool | None = Field(
         default=None, description="Each choice carries its token ids, and the response the prompt's."
     )
+    priority: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] = Field(
+        default=0, description="Lower runs first; needs the server's --scheduling-policy priority."
+    )
     # known and refused with a 400 when set (see docs/server.md)
     logits_processors: list[Any] | None = None
     use_beam_search: StrictBool = False
@@ -166,7 +169,6 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: StrictBool = True
     logprob_token_ids: list[TokenId] | None = None
     prompt_embeds: Any = None
-    priority: StrictInt = 0
 
     @property
     def stop_strings(self) -> list[str]:

@@ -25,7 +25,6 @@ def sampling_refusals(body: SamplingFields) -> list[Refusal]:
         ("spaces_between_special_tokens", not body.spaces_between_special_tokens, "not implemented"),
         ("logprob_token_ids", body.logprob_token_ids is not None, "logprobs are of the top tokens only"),
         ("prompt_embeds", body.prompt_embeds is not None, "prompts are text or token ids"),
-        ("priority", body.priority != 0, "the scheduler serves requests in arrival order"),
     ]
 
 

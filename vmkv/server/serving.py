@@ -78,6 +78,7 @@ class Submission:
     params: SamplingParams
     choice_offset: int
     cache_salt: str | None
+    priority: int = 0
     echo: str = ""  # text each choice starts with (the prompt, or chat's last assistant message)
 
 
@@ -358,10 +359,11 @@ class OpenAIServing:
             structured=structured,
         )
         try:
+            self.engine.check_priority(body.priority)
             self.engine.validate(prompt_ids, params)
         except RequestRejected as error:
             raise bad_request(str(error), prompt_param if error.param == "prompt" else error.param) from error
-        return Submission(request_id, prompt_ids, params, choice_offset, body.cache_salt)
+        return Submission(request_id, prompt_ids, params, choice_offset, body.cache_salt, body.priority)
 
     # ---------------------------------------------------------------------------- completions
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -660,7 +662,8 @@ class OpenAIServing:
         Closing this generator before it ends aborts every engine request still running.
         """
         streams = [
-            self.engine.generate(s.request_id, s.prompt_ids, s.params, s.cache_salt) for s in submissions
+            self.engine.generate(s.request_id, s.prompt_ids, s.params, s.cache_salt, s.priority)
+            for s in submissions
         ]
         async with aclosing(merge(streams)) as steps:
             async for i, deltas in steps:
