@@ -22,7 +22,8 @@ from vmkv.engine.structured_output import check_structured
 from vmkv.server import EngineClient, build_app
 from vmkv.server.protocol import ChatCompletionRequest
 from vmkv.server.serving import template_message
-from vmkv.server.tool_calls import forced_tool, tool_calls
+from vmkv.server.tool_calls import answer_calls, forced_tool
+from vmkv.server.tool_parser import HermesStream, parse_calls
 
 PROMPT = [5, 6, 7, 8, 9, 10]  # token ids: the tiny model's text is noise anyway
 EOS = 2  # the tiny tokenizer's <|im_end|>
@@ -527,13 +528,81 @@ def test_required_calls_parse_from_the_constrained_array_and_its_schema_compiles
     ]
     assert jsonschema_rs.validator_for(json.loads(spec.spec)).is_valid(answer)
     assert not jsonschema_rs.validator_for(json.loads(spec.spec)).is_valid([])
-    calls = tool_calls(body, json.dumps(answer))
+    content, calls = answer_calls(body, json.dumps(answer), parse=False)
+    assert content is None
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("weather", {"city": "Paris"}),
         ("forecast", {"days": 3}),
     ]
     assert len({c.id for c in calls}) == 2
-    assert tool_calls(body, '[{"name": "weather", "param') is None  # cut by max_tokens: content instead
+    cut = '[{"name": "weather", "param'  # by max_tokens: content instead
+    assert answer_calls(body, cut, parse=False) == (cut, None)
+
+
+HERMES_ANSWERS = [
+    'Let me check.<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>',
+    '<tool_call>{"name": "weather", "arguments": {"city": "Nice"}}</tool_call>\n'
+    '<tool_call>{"name": "forecast", "arguments": {"days": 2}}</tool_call>',
+    '<tool_call>{"name": "forecast", "arguments": {"days": 4}}',  # left open at the end
+    "No call here, though <tool is a prefix of the tag.",
+    "<tool_call>not json</tool_call>",
+]
+
+
+@pytest.mark.parametrize("text", HERMES_ANSWERS)
+def test_hermes_calls_read_alike_whole_and_streamed_in_any_pieces(text: str) -> None:
+    content, calls = parse_calls(text)
+    whole = (content, [(c.function.name, c.function.arguments) for c in calls or []])
+    if "<tool_call>" in text and "not json" not in text:
+        assert calls and content == (text.split("<tool_call>")[0] or None)
+    else:
+        assert (content, calls) == (text, None)
+    for size in range(1, len(text) + 1):
+        stream, streamed, named = HermesStream(), "", []
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            delta = stream.delta(piece, finished=i == len(pieces) - 1)
+            if delta is not None:
+                streamed += delta.content or ""
+                for call in delta.tool_calls or []:
+                    assert call.index == len(named) and call.id and call.type == "function"
+                    named.append((call.function.name, call.function.arguments))
+        assert (streamed or None, named) == whole, size
+        assert stream.called == bool(named)
+
+
+def test_a_hermes_parser_serves_calls_the_model_chooses_to_make(served: Served) -> None:
+    """tool_choice "auto" (or none) with --tool-call-parser hermes; the random model is held to
+    a Hermes answer by a regex, as a model trained on the format would write it."""
+    said = 'Checking.<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
+    regex = re.escape(said)
+    with LiveServer(build_app(served.engine, MODEL, tool_call_parser="hermes")) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        request = {
+            "model": MODEL,
+            "messages": ASK,
+            "max_tokens": 80,
+            "temperature": 0.0,
+            "tools": TOOLS,
+            "extra_body": {"structured_outputs": {"regex": regex}},
+        }
+        answer = client.chat.completions.create(**request).choices[0]
+        (call,) = answer.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("weather", {"city": "Paris"})
+        assert (answer.message.content, answer.finish_reason) == ("Checking.", "tool_calls")
+        chunks = [
+            c for c in client.chat.completions.create(**request, tool_choice="auto", stream=True) if c.choices
+        ]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        (streamed,) = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        assert (text, streamed.function.name, streamed.function.arguments) == (
+            "Checking.",
+            "weather",
+            call.function.arguments,
+        )
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, tools=TOOLS)
+        assert plain.choices[0].message.tool_calls is None  # a free answer with no call is content
 
 
 def test_earlier_tool_calls_and_tool_answers_reach_the_template_as_templates_read_them(

@@ -30,6 +30,7 @@ from vmkv.server.protocol import (
     VersionResponse,
 )
 from vmkv.server.serving import OpenAIServing
+from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
 
@@ -54,16 +55,24 @@ def build_app(
     owns_engine: bool = False,
     open_metrics: bool = False,
     limits: RequestLimits | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
     With `owns_engine`, the app stops the engine when it stops (the server's own engine; apps
     that share one engine leave that to its owner). With `api_keys`, every route but the probes
     (/health, /version) wants `Authorization: Bearer <one of them>`; /metrics too unless
-    `open_metrics`.
+    `open_metrics`. `tool_call_parser` (one of TOOL_CALL_PARSERS) reads the calls a model makes
+    with tool_choice "auto"; without one, "auto" is refused.
     """
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     serving = OpenAIServing(
-        engine, served_model_name, ServingMetrics(served_model_name), limits or RequestLimits()
+        engine,
+        served_model_name,
+        ServingMetrics(served_model_name),
+        limits or RequestLimits(),
+        tool_call_parser,
     )
 
     @asynccontextmanager

@@ -25,6 +25,7 @@ from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
 from vmkv.server.engine_client import EngineClient
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES
 from vmkv.server.limits import RequestLimits
+from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=non_negative_float,
         default=DEFAULT_GRACE_SECONDS,
         help="on SIGTERM or Ctrl-C, how long requests in flight may run on before they are ended",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help='read the tool calls a model makes with tool_choice "auto" in this format (hermes: '
+        '<tool_call>{json}</tool_call>, Qwen2.5/Qwen3/Hermes); without it "auto" is refused',
     )
     server.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -190,6 +198,7 @@ def serve_main(args: argparse.Namespace) -> None:
         ),
         max_body_bytes=args.max_body_bytes,
         owns_engine=True,
+        tool_call_parser=args.tool_call_parser,
     )
     drain = Drain(app)
     freeze_start_up_heap()

@@ -39,16 +39,21 @@ def completion_refusals(body: CompletionRequest) -> list[Refusal]:
     ]
 
 
-def chat_refusals(body: ChatCompletionRequest) -> list[Refusal]:
-    no_parser = "choosing whether to call a tool needs a parser of the model's tool-call format"
+def chat_refusals(body: ChatCompletionRequest, parses_calls: bool) -> list[Refusal]:
+    """`parses_calls`: the server reads calls the model chooses to make (--tool-call-parser)."""
+    no_parser = "choosing whether to call a tool needs --tool-call-parser for the model's call format"
     return [
         (
             "tools",
-            bool(body.tools) and body.tool_choice is None,
+            bool(body.tools) and body.tool_choice is None and not parses_calls,
             f'tool_choice defaults to "auto" with tools, and {no_parser}; set tool_choice to "required", '
             'a function, or "none"',
         ),
-        ("tool_choice", body.tool_choice == "auto", f'{no_parser}; use "required" or name a function'),
+        (
+            "tool_choice",
+            body.tool_choice == "auto" and not parses_calls,
+            f'{no_parser}; use "required" or name a function',
+        ),
         ("functions", bool(body.functions), "deprecated by OpenAI; use tools"),
         ("function_call", body.function_call not in (None, "none"), "deprecated by OpenAI; use tool_choice"),
         (

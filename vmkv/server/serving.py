@@ -57,12 +57,12 @@ from vmkv.server.streaming import (
 )
 from vmkv.server.structured_request import structured_specs
 from vmkv.server.tool_calls import (
-    ToolCallStream,
+    answer_calls,
+    call_stream,
     finish_reason,
     forced_tool,
-    forces_calls,
+    lets_model_call,
     template_tools,
-    tool_calls,
 )
 
 # The status nginx made the convention for "client closed the request"; nobody is left to read it.
@@ -149,12 +149,18 @@ PROMPT_CHARS_SLACK = 4
 
 class OpenAIServing:
     def __init__(
-        self, engine: EngineClient, model_name: str, metrics: ServingMetrics, limits: RequestLimits
+        self,
+        engine: EngineClient,
+        model_name: str,
+        metrics: ServingMetrics,
+        limits: RequestLimits,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits
+        self.tool_call_parser = tool_call_parser  # reads the calls of tool_choice "auto" (tool_parser.py)
         # No text longer than this fits max_model_len, whatever it says: refused untokenized.
         longest_token = max(len(token) for token in engine.tokenizer.get_vocab())
         self.max_prompt_chars = PROMPT_CHARS_SLACK * engine.max_model_len * longest_token
@@ -516,7 +522,7 @@ class OpenAIServing:
     # ----------------------------------------------------------------------------------- chat
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        check_supported(chat_refusals(body) + sampling_refusals(body))
+        check_supported(chat_refusals(body, self.tool_call_parser is not None) + sampling_refusals(body))
         self.check_alive()
         self.check_limits(1, body)
         structured = await self.structured_output(body, [("tool_choice", forced_tool(body))])
@@ -555,13 +561,19 @@ class OpenAIServing:
         )
         return JSONResponse(response.model_dump())
 
+    def parses_calls(self, body: ChatCompletionRequest) -> bool:
+        """Whether the answer is read for calls the model chose to make (tool_choice "auto")."""
+        return self.tool_call_parser is not None and lets_model_call(body)
+
     def chat_choice(
         self, body: ChatCompletionRequest, choice: Choice, logprob_format: LogprobFormatter
     ) -> ChatChoice:
-        calls = tool_calls(body, choice.text)
+        content, calls = answer_calls(body, choice.text, self.parses_calls(body))
         return ChatChoice(
             index=choice.index,
-            message=AssistantMessage(content=None if calls else choice.echo + choice.text, tool_calls=calls),
+            message=AssistantMessage(
+                content=None if content is None else choice.echo + content, tool_calls=calls
+            ),
             logprobs=logprob_format.chat(choice.logprobs, body.top_logprobs) if body.logprobs else None,
             finish_reason=finish_reason(body, choice.finish_reason, bool(calls)),
             stop_reason=choice.stop_reason,
@@ -578,16 +590,21 @@ class OpenAIServing:
     ) -> AsyncGenerator[str, None]:
         created = now()
         choices = new_choices(submissions)
-        # with tool calls forced, each choice's text turns into tool-call deltas
-        calls = {choice.index: ToolCallStream(body) for choice in choices} if forces_calls(body) else None
+        # where the answer may hold tool calls, each choice's text turns into tool-call deltas
+        calls = {choice.index: call_stream(body, self.parses_calls(body)) for choice in choices}
 
         with_tokens = body.logprobs or bool(body.return_token_ids)
 
         def delta_message(item: ChoiceDelta) -> DeltaMessage | None:
             """What the choice says this step: its new text, or the tool calls it makes."""
-            if calls is None:
+            stream = calls[item.choice.index]
+            if stream is None:
                 return DeltaMessage(content=item.delta.text) if item.delta.text else None
-            return calls[item.choice.index].delta(item.delta.text, item.delta.finish_reason is not None)
+            return stream.delta(item.delta.text, item.delta.finish_reason is not None)
+
+        def called(item: ChoiceDelta) -> bool:
+            stream = calls[item.choice.index]
+            return stream is not None and stream.called
 
         def chunk(
             chunk_choices: list[ChatChunkChoice],
@@ -638,9 +655,7 @@ class OpenAIServing:
                                     if body.logprobs
                                     else None
                                 ),
-                                finish_reason=finish_reason(
-                                    body, item.delta.finish_reason, bool(delta.tool_calls)
-                                ),
+                                finish_reason=finish_reason(body, item.delta.finish_reason, called(item)),
                                 stop_reason=item.delta.stop_reason,
                                 token_ids=item.delta.token_ids if body.return_token_ids else None,
                             )

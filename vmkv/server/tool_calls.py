@@ -1,16 +1,16 @@
-"""Tool calls that the request forces: tool_choice "required" or a named function.
+"""Tool calls: what tool_choice asks of an answer, and the calls read out of it.
 
-Neither needs a parser for the model's own tool-call format: the answer is constrained (a
-structured output) to exactly the JSON of the call, so it always parses. A named function's
-answer is its arguments object; "required" answers an array of `{"name", "parameters"}`, one
-item per call (vLLM's schema, so both servers constrain alike). tool_choice "auto" would need a
-parser per model family and is refused.
+"required" and a named function force calls, and need no parser of the model's own format:
+the answer is constrained (a structured output) to exactly the JSON of the calls, so it always
+parses. A named function's answer is its arguments object; "required" answers an array of
+`{"name", "parameters"}`, one item per call (vLLM's schema, so both servers constrain alike).
+"auto" (the default with tools) lets the model choose, and needs the server's tool-call parser
+for the model family's format (tool_parser.py); without one it is refused.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 
 from vmkv.engine.sampling_params import StructuredOutput
@@ -25,16 +25,18 @@ from vmkv.server.protocol import (
     ToolCall,
     ToolDefinition,
 )
+from vmkv.server.tool_parser import HermesStream, new_call_id, parse_calls
 
 EMPTY_OBJECT = {"type": "object", "properties": {}}
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def forces_calls(body: ChatCompletionRequest) -> bool:
     return body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
+
+
+def lets_model_call(body: ChatCompletionRequest) -> bool:
+    """Whether the model chooses for itself whether to call (tool_choice "auto", or none given)."""
+    return bool(body.tools) and body.tool_choice in (None, "auto")
 
 
 def forced_tool(body: ChatCompletionRequest) -> StructuredOutput | None:
@@ -60,43 +62,50 @@ def forced_tool(body: ChatCompletionRequest) -> StructuredOutput | None:
     return StructuredOutput("json", json.dumps(schema))
 
 
-def tool_calls(body: ChatCompletionRequest, text: str) -> list[ToolCall] | None:
-    """The calls a forced answer makes; None if it forces none or the answer was cut short
-    (by max_tokens) before its JSON closed, when the text goes back as content instead."""
+def answer_calls(
+    body: ChatCompletionRequest, text: str, parse: bool
+) -> tuple[str | None, list[ToolCall] | None]:
+    """(content, calls) of a whole answer. A forced answer cut short (by max_tokens) before its
+    JSON closed is content, but for a named call, which keeps the arguments it has; `parse`:
+    the model chose for itself, and the server's parser reads its calls out of the text."""
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
-        return [ToolCall(id=new_call_id(), function=FunctionCall(name=choice.function.name, arguments=text))]
-    if choice != "required":
-        return None
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return [
-        ToolCall(
-            id=new_call_id(),
-            function=FunctionCall(
-                name=item["name"], arguments=json.dumps(item["parameters"], ensure_ascii=False)
-            ),
-        )
-        for item in items
-    ]
+        return None, [
+            ToolCall(id=new_call_id(), function=FunctionCall(name=choice.function.name, arguments=text))
+        ]
+    if choice == "required":
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return text, None
+        return None, [
+            ToolCall(
+                id=new_call_id(),
+                function=FunctionCall(
+                    name=item["name"], arguments=json.dumps(item["parameters"], ensure_ascii=False)
+                ),
+            )
+            for item in items
+        ]
+    return parse_calls(text) if parse else (text, None)
 
 
 def finish_reason(body: ChatCompletionRequest, reason: str | None, called: bool) -> str | None:
-    """OpenAI's: "tool_calls" when "required" made its calls; a named call finishes "stop"."""
-    return "tool_calls" if body.tool_choice == "required" and called and reason == "stop" else reason
+    """OpenAI's: "tool_calls" when the answer made calls and ended on its own; "stop" for a named call."""
+    named = isinstance(body.tool_choice, NamedToolChoice)
+    return "tool_calls" if called and reason == "stop" and not named else reason
 
 
 @dataclass
-class ToolCallStream:
-    """Turns one choice's streamed text into tool-call deltas. A named call streams its
+class ForcedCallStream:
+    """One choice's streamed text as the deltas of its forced calls. A named call streams its
     arguments as they come; "required" calls go out whole when the answer is complete (their
     names are only known once each item has been read)."""
 
     body: ChatCompletionRequest
     call_id: str = field(default_factory=new_call_id)
     text: str = ""
+    called: bool = False
 
     def delta(self, text: str, finished: bool) -> DeltaMessage | None:
         """The delta for `text`, the choice's new text this step; None when nothing is due yet."""
@@ -106,18 +115,17 @@ class ToolCallStream:
         if isinstance(choice, NamedToolChoice):
             if not text:
                 return None
+            self.called = True
             head = {"id": self.call_id, "type": "function"} if first else {}
             name = choice.function.name if first else None
-            return DeltaMessage(
-                tool_calls=[
-                    DeltaToolCall(index=0, **head, function=DeltaFunctionCall(name=name, arguments=text))
-                ]
-            )
+            function = DeltaFunctionCall(name=name, arguments=text)
+            return DeltaMessage(tool_calls=[DeltaToolCall(index=0, **head, function=function)])
         if not finished:
             return None
-        calls = tool_calls(self.body, self.text)
-        if calls is None:  # cut short: what there is goes out as content
-            return DeltaMessage(content=self.text) if self.text else None
+        content, calls = answer_calls(self.body, self.text, parse=False)
+        if calls is None:
+            return DeltaMessage(content=content) if content else None
+        self.called = True
         return DeltaMessage(
             tool_calls=[
                 DeltaToolCall(
@@ -129,6 +137,13 @@ class ToolCallStream:
                 for i, call in enumerate(calls)
             ]
         )
+
+
+def call_stream(body: ChatCompletionRequest, parse: bool) -> ForcedCallStream | HermesStream | None:
+    """What turns a streamed choice's text into deltas when it may hold calls; None when it cannot."""
+    if forces_calls(body):
+        return ForcedCallStream(body)
+    return HermesStream() if parse else None
 
 
 def template_tools(body: ChatCompletionRequest) -> list[dict] | None:
