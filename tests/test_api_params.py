@@ -20,8 +20,8 @@ from vmkv import LLM, SamplingParams
 from vmkv.engine import AsyncLLM, RequestRejected
 from vmkv.engine.structured_output import check_structured
 from vmkv.server import EngineClient, build_app
+from vmkv.server.chat import template_message
 from vmkv.server.protocol import ChatCompletionRequest
-from vmkv.server.serving import template_message
 from vmkv.server.tool_calls import answer_calls, forced_tool
 from vmkv.server.tool_parser import HermesStream, parse_calls
 

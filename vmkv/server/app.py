@@ -10,6 +10,8 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from vmkv.server.chat import ChatServing
+from vmkv.server.completions import CompletionServing
 from vmkv.server.engine_client import EngineClient, EngineDeadError
 from vmkv.server.errors import error_response, install_error_handlers
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, APIKeyGuard, BodySizeLimit
@@ -29,7 +31,6 @@ from vmkv.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from vmkv.server.serving import OpenAIServing
 from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
@@ -67,13 +68,9 @@ def build_app(
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
-    serving = OpenAIServing(
-        engine,
-        served_model_name,
-        ServingMetrics(served_model_name),
-        limits or RequestLimits(),
-        tool_call_parser,
-    )
+    serving_metrics, limits = ServingMetrics(served_model_name), limits or RequestLimits()
+    completions = CompletionServing(engine, served_model_name, serving_metrics, limits)
+    chat = ChatServing(engine, served_model_name, serving_metrics, limits, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -86,7 +83,7 @@ def build_app(
     app = FastAPI(
         title="vmkv",
         version=package_version(),
-        description="OpenAI-compatible LLM serving.",
+        description="OpenAI-compatible LLM chat.",
         lifespan=lifespan,
     )
     install_error_handlers(app)
@@ -98,11 +95,11 @@ def build_app(
 
     @api.post("/v1/completions", response_model=None, responses=stream_or_json(CompletionResponse))
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await serving.completions(body, request)
+        return await completions.create(body, request)
 
     @api.post("/v1/chat/completions", response_model=None, responses=stream_or_json(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.chat(body, request)
+        return await chat.create(body, request)
 
     @api.get("/v1/models")
     async def list_models() -> ModelList:
@@ -111,25 +108,25 @@ def build_app(
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        serving.check_model(body.model)
+        chat.check_model(body.model)
         if body.messages is not None:
-            text = serving.render_chat(
+            text = chat.render_chat(
                 body.messages,
                 body.add_generation_prompt,
                 body.continue_final_message,
                 body.chat_template_kwargs,
             )
-            tokens = await serving.encode(text, add_special_tokens=False, param="messages")
+            tokens = await chat.encode(text, add_special_tokens=False, param="messages")
         else:
-            tokens = await serving.encode(
+            tokens = await chat.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens, param="prompt"
             )
         return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
 
     @api.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        serving.check_model(body.model)
-        serving.check_token_ids(body.tokens, "tokens")
+        chat.check_model(body.model)
+        chat.check_token_ids(body.tokens, "tokens")
         return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
 
     @app.get("/health", response_class=Response, responses={503: {"model": ErrorResponse}})
@@ -143,7 +140,7 @@ def build_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(serving.metrics.render(engine.replica_stats()), media_type=CONTENT_TYPE)
+        return PlainTextResponse(serving_metrics.render(engine.replica_stats()), media_type=CONTENT_TYPE)
 
     @app.get("/version")
     async def server_version() -> VersionResponse:

@@ -1,4 +1,5 @@
-"""The generation endpoints: turn an OpenAI request into engine requests and their outputs back.
+"""What both generation endpoints share: turn an OpenAI request into engine requests and their
+outputs back (completions.py and chat.py build on it).
 
 Every check (model name, lengths, token ids, what the engine would refuse) happens before
 anything reaches the engine, so a refused request leaves no trace. Each prompt becomes
@@ -9,14 +10,12 @@ deltas, which a stream forwards and a plain response accumulates.
 from __future__ import annotations
 
 import asyncio
-import inspect
-import json
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from vmkv.engine import RequestRejected, SamplingParams
@@ -26,44 +25,20 @@ from vmkv.engine.structured_output import check_structured
 from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed, SampleDelta, TokenLogprob
 from vmkv.server.errors import APIError, bad_request, error_body
 from vmkv.server.limits import RequestLimits
-from vmkv.server.logprobs import LogprobFormatter
 from vmkv.server.metrics import RequestTimer, ServingMetrics
 from vmkv.server.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatMessage,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
     SamplingFields,
     Usage,
-    now,
-    random_id,
 )
-from vmkv.server.refusals import chat_refusals, check_supported, completion_refusals, sampling_refusals
 from vmkv.server.streaming import (
-    DONE_EVENT,
     ClientDisconnected,
-    EventStreamResponse,
     merge,
     sse_event,
     until_disconnected,
 )
 from vmkv.server.structured_request import structured_specs
-from vmkv.server.tool_calls import (
-    answer_calls,
-    call_stream,
-    finish_reason,
-    forced_tool,
-    lets_model_call,
-    template_tools,
-)
 
 # The status nginx made the convention for "client closed the request"; nobody is left to read it.
 CLIENT_CLOSED_REQUEST = 499
@@ -135,12 +110,6 @@ class ChoiceDelta:
         return self.choice.prompt_ids if wanted and first else None
 
 
-# apply_chat_template's own parameters, and `messages`, the variable it renders the conversation
-# as: chat_template_kwargs reach the template's other variables, never these.
-CHAT_TEMPLATE_PARAMETERS = (
-    frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
-) | {"messages"}
-# Texts longer than this are tokenized on a worker thread, so the event loop keeps serving.
 INLINE_TOKENIZE_CHARS = 8192
 # Normalization can merge characters (NFC composition), so a text of C characters may hold as
 # few as C / (2 x the longest token); the bound below allows twice that and more.
@@ -149,18 +118,12 @@ PROMPT_CHARS_SLACK = 4
 
 class OpenAIServing:
     def __init__(
-        self,
-        engine: EngineClient,
-        model_name: str,
-        metrics: ServingMetrics,
-        limits: RequestLimits,
-        tool_call_parser: str | None = None,
+        self, engine: EngineClient, model_name: str, metrics: ServingMetrics, limits: RequestLimits
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits
-        self.tool_call_parser = tool_call_parser  # reads the calls of tool_choice "auto" (tool_parser.py)
         # No text longer than this fits max_model_len, whatever it says: refused untokenized.
         longest_token = max(len(token) for token in engine.tokenizer.get_vocab())
         self.max_prompt_chars = PROMPT_CHARS_SLACK * engine.max_model_len * longest_token
@@ -226,46 +189,6 @@ class OpenAIServing:
         except ValueError as error:
             raise bad_request(f"{param} is not a valid {spec.kind} constraint: {error}", param) from None
         return spec
-
-    def render_chat(
-        self,
-        messages: list[ChatMessage],
-        add_generation_prompt: bool,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, object] | None = None,
-        tools: list[dict] | None = None,
-    ) -> str:
-        """The conversation as the model's chat template writes it. continue_final_message leaves
-        the last message open, so the answer continues it; template_kwargs are the template's
-        own variables (for example a switch some templates read); tools go to templates that
-        describe them to the model."""
-        if not self.tokenizer.chat_template:
-            raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        if continue_final_message and add_generation_prompt:
-            raise bad_request(
-                "continue_final_message continues the last message instead of opening a new one; "
-                "set add_generation_prompt to false with it",
-                "continue_final_message",
-            )
-        template_kwargs = template_kwargs or {}
-        if taken := sorted(CHAT_TEMPLATE_PARAMETERS.intersection(template_kwargs)):
-            raise bad_request(
-                f"chat_template_kwargs may not set {', '.join(taken)}: those are the renderer's own "
-                "parameters, not template variables",
-                "chat_template_kwargs",
-            )
-        conversation = [template_message(message) for message in messages]
-        try:
-            return self.tokenizer.apply_chat_template(
-                conversation,
-                tools=tools,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **template_kwargs,
-            )
-        except Exception as error:  # a template may refuse a conversation (e.g. its role order)
-            raise bad_request(f"the chat template refused these messages: {error}", "messages") from error
 
     async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of `text`; a text far too long is refused before any tokenizing, and a long
@@ -371,303 +294,6 @@ class OpenAIServing:
             raise bad_request(str(error), prompt_param if error.param == "prompt" else error.param) from error
         return Submission(request_id, prompt_ids, params, choice_offset, body.cache_salt, body.priority)
 
-    # ---------------------------------------------------------------------------- completions
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
-        check_supported(completion_refusals(body) + sampling_refusals(body))
-        self.check_alive()
-        request_id = random_id("cmpl")
-        submissions = []
-        prompts = completion_prompts(body)
-        self.check_limits(len(prompts), body)
-        structured = await self.structured_output(body)
-        encoded = await self.prompt_token_ids(prompts, body.add_special_tokens)
-        for i, (prompt, whole) in enumerate(zip(prompts, encoded, strict=True)):
-            prompt_ids = self.truncated(whole, body)
-            max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, "prompt")
-            submission = self.submission(
-                f"{request_id}-{i}",
-                prompt_ids,
-                body,
-                max_tokens,
-                body.logprobs,
-                i * body.n,
-                structured,
-                "prompt",
-            )
-            if body.echo:  # the prompt as the model saw it: its text unless cut or given as ids
-                uncut = isinstance(prompt, str) and len(prompt_ids) == len(whole)
-                submission.echo = prompt if uncut else self.tokenizer.decode(prompt_ids)
-            submissions.append(submission)
-        logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
-        timer = self.metrics.timer()
-        if body.stream:
-            return EventStreamResponse(
-                self.completion_events(body, request_id, submissions, timer, logprob_format)
-            )
-        choices = await self.collect_or_answer_disconnect(request, submissions, timer)
-        if isinstance(choices, Response):
-            return choices
-        response = CompletionResponse(
-            id=request_id,
-            model=self.model_name,
-            choices=[
-                CompletionChoice(
-                    index=choice.index,
-                    text=choice.echo + choice.text,
-                    logprobs=self.echoed_logprobs(logprob_format, choice, body.logprobs)
-                    if body.logprobs is not None
-                    else None,
-                    prompt_logprobs=logprob_format.prompt(choice.prompt_logprobs, body.prompt_logprobs),
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                    prompt_token_ids=choice.prompt_ids if body.return_token_ids else None,
-                    token_ids=choice.token_ids if body.return_token_ids else None,
-                )
-                for choice in choices
-            ],
-            usage=usage(submissions, choices),
-        )
-        return JSONResponse(response.model_dump())
-
-    async def prompt_token_ids(
-        self, prompts: list[str] | list[list[int]], add_special_tokens: bool
-    ) -> list[list[int]]:
-        if isinstance(prompts[0], str):
-            return [await self.encode(text, add_special_tokens, param="prompt") for text in prompts]
-        for token_ids in prompts:
-            self.check_token_ids(token_ids, "prompt")
-        return [list(token_ids) for token_ids in prompts]
-
-    async def completion_events(
-        self,
-        body: CompletionRequest,
-        request_id: str,
-        submissions: list[Submission],
-        timer: RequestTimer,
-        logprob_format: LogprobFormatter,
-    ) -> AsyncGenerator[str, None]:
-        created = now()
-        choices = new_choices(submissions)
-        with_logprobs = body.logprobs is not None
-
-        def chunk(chunk_choices: list[CompletionChoice], final_usage: bool = False) -> str:
-            usage_ = usage(submissions, choices) if final_usage or body.continuous_usage else None
-            return sse_event(
-                CompletionResponse(
-                    id=request_id, created=created, model=self.model_name, choices=chunk_choices, usage=usage_
-                )
-            )
-
-        try:
-            # The prompts first, as a chunk of their own; with logprobs they ride on each choice's
-            # first chunk instead, since the prompt's logprobs arrive with the first token.
-            if body.echo and not with_logprobs:
-                echoed = []
-                for choice in choices:
-                    choice.started = True
-                    prompt_ids = choice.prompt_ids if body.return_token_ids else None
-                    echoed.append(
-                        CompletionChoice(index=choice.index, text=choice.echo, prompt_token_ids=prompt_ids)
-                    )
-                yield chunk(echoed)
-            async with aclosing(self.choice_deltas(submissions, choices, timer)) as steps:
-                async for step in steps:
-                    chunk_choices = [
-                        CompletionChoice(
-                            index=item.choice.index,
-                            text=(item.choice.echo if echoes else "") + item.delta.text,
-                            logprobs=(
-                                self.echoed_logprobs(logprob_format, item.choice, body.logprobs, item)
-                                if with_logprobs
-                                else None
-                            ),
-                            prompt_logprobs=logprob_format.prompt(
-                                item.delta.prompt_logprobs, body.prompt_logprobs
-                            ),
-                            finish_reason=item.delta.finish_reason,
-                            stop_reason=item.delta.stop_reason,
-                            prompt_token_ids=item.prompt_ids_once(body.return_token_ids),
-                            token_ids=item.delta.token_ids if body.return_token_ids else None,
-                        )
-                        for item in step
-                        if item.worth_sending(with_logprobs or bool(body.return_token_ids))
-                        for echoes in [bool(item.choice.echo) and with_logprobs and item.text_start == 0]
-                    ]
-                    if chunk_choices:
-                        yield chunk(chunk_choices)
-            if body.include_usage:
-                yield chunk([], final_usage=True)
-        except (EngineDeadError, RequestFailed, RequestRejected) as error:
-            yield error_event(error)
-        yield DONE_EVENT
-
-    def echoed_logprobs(
-        self, logprob_format: LogprobFormatter, choice: Choice, k: int | None, step: ChoiceDelta | None = None
-    ) -> CompletionLogprobs:
-        """Logprobs of a choice's tokens (of one step's delta, if given), after the prompt's own
-        when the prompt is echoed and this is the choice's start (vLLM's echo with logprobs;
-        the first prompt token has none). Text offsets count the echoed prompt."""
-        generated, text_start = (
-            (choice.logprobs, 0) if step is None else (step.delta.logprobs or [], step.text_start)
-        )
-        result = logprob_format.completion(generated, len(choice.echo) + text_start)
-        if not choice.echo or text_start != 0:
-            return result
-        prompt = logprob_format.echoed_prompt(choice.prompt_ids, choice.prompt_logprobs or [], k)
-        for name in ("tokens", "text_offset", "token_logprobs", "top_logprobs"):
-            getattr(prompt, name).extend(getattr(result, name))
-        return prompt
-
-    # ----------------------------------------------------------------------------------- chat
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
-        check_supported(chat_refusals(body, self.tool_call_parser is not None) + sampling_refusals(body))
-        self.check_alive()
-        self.check_limits(1, body)
-        structured = await self.structured_output(body, [("tool_choice", forced_tool(body))])
-        text = self.render_chat(
-            body.messages,
-            body.add_generation_prompt,
-            body.continue_final_message,
-            body.chat_template_kwargs,
-            template_tools(body),
-        )
-        prompt_ids = self.truncated(await self.encode(text, add_special_tokens=False, param="messages"), body)
-        max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        request_id = random_id("chatcmpl")
-        submission = self.submission(
-            request_id, prompt_ids, body, max_tokens, logprobs, 0, structured, "messages"
-        )
-        last = body.messages[-1]
-        if body.echo and last.role == "assistant":  # vLLM's chat echo: the message being continued
-            submission.echo = last.text
-        submissions = [submission]
-        logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
-        timer = self.metrics.timer()
-        if body.stream:
-            return EventStreamResponse(self.chat_events(body, request_id, submissions, timer, logprob_format))
-        choices = await self.collect_or_answer_disconnect(request, submissions, timer)
-        if isinstance(choices, Response):
-            return choices
-        response = ChatCompletionResponse(
-            id=request_id,
-            model=self.model_name,
-            choices=[self.chat_choice(body, choice, logprob_format) for choice in choices],
-            usage=usage(submissions, choices),
-            prompt_logprobs=logprob_format.prompt(choices[0].prompt_logprobs, body.prompt_logprobs),
-            prompt_token_ids=prompt_ids if body.return_token_ids else None,
-        )
-        return JSONResponse(response.model_dump())
-
-    def parses_calls(self, body: ChatCompletionRequest) -> bool:
-        """Whether the answer is read for calls the model chose to make (tool_choice "auto")."""
-        return self.tool_call_parser is not None and lets_model_call(body)
-
-    def chat_choice(
-        self, body: ChatCompletionRequest, choice: Choice, logprob_format: LogprobFormatter
-    ) -> ChatChoice:
-        content, calls = answer_calls(body, choice.text, self.parses_calls(body))
-        return ChatChoice(
-            index=choice.index,
-            message=AssistantMessage(
-                content=None if content is None else choice.echo + content, tool_calls=calls
-            ),
-            logprobs=logprob_format.chat(choice.logprobs, body.top_logprobs) if body.logprobs else None,
-            finish_reason=finish_reason(body, choice.finish_reason, bool(calls)),
-            stop_reason=choice.stop_reason,
-            token_ids=choice.token_ids if body.return_token_ids else None,
-        )
-
-    async def chat_events(
-        self,
-        body: ChatCompletionRequest,
-        request_id: str,
-        submissions: list[Submission],
-        timer: RequestTimer,
-        logprob_format: LogprobFormatter,
-    ) -> AsyncGenerator[str, None]:
-        created = now()
-        choices = new_choices(submissions)
-        # where the answer may hold tool calls, each choice's text turns into tool-call deltas
-        calls = {choice.index: call_stream(body, self.parses_calls(body)) for choice in choices}
-
-        with_tokens = body.logprobs or bool(body.return_token_ids)
-
-        def delta_message(item: ChoiceDelta) -> DeltaMessage | None:
-            """What the choice says this step: its new text, or the tool calls it makes."""
-            stream = calls[item.choice.index]
-            if stream is None:
-                return DeltaMessage(content=item.delta.text) if item.delta.text else None
-            return stream.delta(item.delta.text, item.delta.finish_reason is not None)
-
-        def called(item: ChoiceDelta) -> bool:
-            stream = calls[item.choice.index]
-            return stream is not None and stream.called
-
-        def chunk(
-            chunk_choices: list[ChatChunkChoice],
-            final_usage: bool = False,
-            prompt_ids: list[int] | None = None,
-        ) -> str:
-            usage_ = usage(submissions, choices) if final_usage or body.continuous_usage else None
-            return sse_event(
-                ChatCompletionChunk(
-                    id=request_id,
-                    created=created,
-                    model=self.model_name,
-                    choices=chunk_choices,
-                    usage=usage_,
-                    prompt_token_ids=prompt_ids,
-                )
-            )
-
-        try:
-            yield chunk(
-                [
-                    ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))
-                    for choice in choices
-                ],
-                prompt_ids=submissions[0].prompt_ids if body.return_token_ids else None,
-            )
-            if submissions[0].echo:
-                yield chunk(
-                    [
-                        ChatChunkChoice(index=choice.index, delta=DeltaMessage(content=choice.echo))
-                        for choice in choices
-                    ]
-                )
-            async with aclosing(self.choice_deltas(submissions, choices, timer)) as steps:
-                async for step in steps:
-                    chunk_choices = []
-                    for item in step:
-                        delta = delta_message(item)
-                        if delta is None and not item.worth_sending(with_tokens, with_text=False):
-                            continue
-                        delta = delta or DeltaMessage()
-                        chunk_choices.append(
-                            ChatChunkChoice(
-                                index=item.choice.index,
-                                delta=delta,
-                                logprobs=(
-                                    logprob_format.chat(item.delta.logprobs or [], body.top_logprobs)
-                                    if body.logprobs
-                                    else None
-                                ),
-                                finish_reason=finish_reason(body, item.delta.finish_reason, called(item)),
-                                stop_reason=item.delta.stop_reason,
-                                token_ids=item.delta.token_ids if body.return_token_ids else None,
-                            )
-                        )
-                    if chunk_choices:
-                        yield chunk(chunk_choices)
-            if body.include_usage:
-                yield chunk([], final_usage=True)
-        except (EngineDeadError, RequestFailed, RequestRejected) as error:
-            yield error_event(error)
-        yield DONE_EVENT
-
     # ------------------------------------------------------------------------ running requests
     async def choice_deltas(
         self, submissions: list[Submission], choices: list[Choice], timer: RequestTimer
@@ -718,42 +344,6 @@ class OpenAIServing:
             raise bad_request(str(error)) from error
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-
-
-def template_message(message: ChatMessage) -> dict:
-    """A message as chat templates read it: earlier tool calls with their arguments as objects
-    (templates write them with `tojson`, as vLLM passes them), a tool's answer with its call id."""
-    rendered: dict = {"role": message.role, "content": message.text}
-    if message.tool_calls:
-        rendered["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": call.type,
-                "function": {"name": call.function.name, "arguments": arguments},
-            }
-            for call in message.tool_calls
-            for arguments in [json_or_text(call.function.arguments)]
-        ]
-    if message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
-    return rendered
-
-
-def json_or_text(text: str) -> object:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def completion_prompts(body: CompletionRequest) -> list[str] | list[list[int]]:
-    """The request's prompts: one text, several texts, one token-id list or several."""
-    prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        prompt = [prompt]
-    if not prompt or any(len(item) == 0 for item in prompt):
-        raise bad_request("the prompt is empty", "prompt")
-    return prompt
 
 
 def prompt_logprobs_wanted(

@@ -1,0 +1,291 @@
+"""/v1/chat/completions: the conversation rendered with the model's chat template, one engine
+request whose n samples are the choices; echo of an assistant message, tool calls, and the stream."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from transformers import PreTrainedTokenizerBase
+
+from vmkv.engine import RequestRejected
+from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed
+from vmkv.server.errors import bad_request
+from vmkv.server.limits import RequestLimits
+from vmkv.server.logprobs import LogprobFormatter
+from vmkv.server.metrics import RequestTimer, ServingMetrics
+from vmkv.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    DeltaMessage,
+    now,
+    random_id,
+)
+from vmkv.server.refusals import chat_refusals, check_supported, sampling_refusals
+from vmkv.server.serving import (
+    Choice,
+    ChoiceDelta,
+    OpenAIServing,
+    Submission,
+    error_event,
+    new_choices,
+    usage,
+)
+from vmkv.server.streaming import (
+    DONE_EVENT,
+    EventStreamResponse,
+    sse_event,
+)
+from vmkv.server.tool_calls import (
+    answer_calls,
+    call_stream,
+    finish_reason,
+    forced_tool,
+    lets_model_call,
+    template_tools,
+)
+
+# The status nginx made the convention for "client closed the request"; nobody is left to read it.
+
+# apply_chat_template's own parameters, and `messages`, the variable it renders the conversation
+# as: chat_template_kwargs reach the template's other variables, never these.
+CHAT_TEMPLATE_PARAMETERS = (
+    frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
+) | {"messages"}
+# Texts longer than this are tokenized on a worker thread, so the event loop keeps serving.
+
+
+class ChatServing(OpenAIServing):
+    def __init__(
+        self,
+        engine: EngineClient,
+        model_name: str,
+        metrics: ServingMetrics,
+        limits: RequestLimits,
+        tool_call_parser: str | None = None,
+    ) -> None:
+        super().__init__(engine, model_name, metrics, limits)
+        self.tool_call_parser = tool_call_parser  # reads the calls of tool_choice "auto" (tool_parser.py)
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, object] | None = None,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The conversation as the model's chat template writes it. continue_final_message leaves
+        the last message open, so the answer continues it; template_kwargs are the template's
+        own variables (for example a switch some templates read); tools go to templates that
+        describe them to the model."""
+        if not self.tokenizer.chat_template:
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        if continue_final_message and add_generation_prompt:
+            raise bad_request(
+                "continue_final_message continues the last message instead of opening a new one; "
+                "set add_generation_prompt to false with it",
+                "continue_final_message",
+            )
+        template_kwargs = template_kwargs or {}
+        if taken := sorted(CHAT_TEMPLATE_PARAMETERS.intersection(template_kwargs)):
+            raise bad_request(
+                f"chat_template_kwargs may not set {', '.join(taken)}: those are the renderer's own "
+                "parameters, not template variables",
+                "chat_template_kwargs",
+            )
+        conversation = [template_message(message) for message in messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **template_kwargs,
+            )
+        except Exception as error:  # a template may refuse a conversation (e.g. its role order)
+            raise bad_request(f"the chat template refused these messages: {error}", "messages") from error
+
+    async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        check_supported(chat_refusals(body, self.tool_call_parser is not None) + sampling_refusals(body))
+        self.check_alive()
+        self.check_limits(1, body)
+        structured = await self.structured_output(body, [("tool_choice", forced_tool(body))])
+        text = self.render_chat(
+            body.messages,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template_kwargs,
+            template_tools(body),
+        )
+        prompt_ids = self.truncated(await self.encode(text, add_special_tokens=False, param="messages"), body)
+        max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        request_id = random_id("chatcmpl")
+        submission = self.submission(
+            request_id, prompt_ids, body, max_tokens, logprobs, 0, structured, "messages"
+        )
+        last = body.messages[-1]
+        if body.echo and last.role == "assistant":  # vLLM's chat echo: the message being continued
+            submission.echo = last.text
+        submissions = [submission]
+        logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
+        timer = self.metrics.timer()
+        if body.stream:
+            return EventStreamResponse(self.chat_events(body, request_id, submissions, timer, logprob_format))
+        choices = await self.collect_or_answer_disconnect(request, submissions, timer)
+        if isinstance(choices, Response):
+            return choices
+        response = ChatCompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=[self.chat_choice(body, choice, logprob_format) for choice in choices],
+            usage=usage(submissions, choices),
+            prompt_logprobs=logprob_format.prompt(choices[0].prompt_logprobs, body.prompt_logprobs),
+            prompt_token_ids=prompt_ids if body.return_token_ids else None,
+        )
+        return JSONResponse(response.model_dump())
+
+    def parses_calls(self, body: ChatCompletionRequest) -> bool:
+        """Whether the answer is read for calls the model chose to make (tool_choice "auto")."""
+        return self.tool_call_parser is not None and lets_model_call(body)
+
+    def chat_choice(
+        self, body: ChatCompletionRequest, choice: Choice, logprob_format: LogprobFormatter
+    ) -> ChatChoice:
+        content, calls = answer_calls(body, choice.text, self.parses_calls(body))
+        return ChatChoice(
+            index=choice.index,
+            message=AssistantMessage(
+                content=None if content is None else choice.echo + content, tool_calls=calls
+            ),
+            logprobs=logprob_format.chat(choice.logprobs, body.top_logprobs) if body.logprobs else None,
+            finish_reason=finish_reason(body, choice.finish_reason, bool(calls)),
+            stop_reason=choice.stop_reason,
+            token_ids=choice.token_ids if body.return_token_ids else None,
+        )
+
+    async def chat_events(
+        self,
+        body: ChatCompletionRequest,
+        request_id: str,
+        submissions: list[Submission],
+        timer: RequestTimer,
+        logprob_format: LogprobFormatter,
+    ) -> AsyncGenerator[str, None]:
+        created = now()
+        choices = new_choices(submissions)
+        # where the answer may hold tool calls, each choice's text turns into tool-call deltas
+        calls = {choice.index: call_stream(body, self.parses_calls(body)) for choice in choices}
+
+        with_tokens = body.logprobs or bool(body.return_token_ids)
+
+        def delta_message(item: ChoiceDelta) -> DeltaMessage | None:
+            """What the choice says this step: its new text, or the tool calls it makes."""
+            stream = calls[item.choice.index]
+            if stream is None:
+                return DeltaMessage(content=item.delta.text) if item.delta.text else None
+            return stream.delta(item.delta.text, item.delta.finish_reason is not None)
+
+        def called(item: ChoiceDelta) -> bool:
+            stream = calls[item.choice.index]
+            return stream is not None and stream.called
+
+        def chunk(
+            chunk_choices: list[ChatChunkChoice],
+            final_usage: bool = False,
+            prompt_ids: list[int] | None = None,
+        ) -> str:
+            usage_ = usage(submissions, choices) if final_usage or body.continuous_usage else None
+            return sse_event(
+                ChatCompletionChunk(
+                    id=request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=chunk_choices,
+                    usage=usage_,
+                    prompt_token_ids=prompt_ids,
+                )
+            )
+
+        try:
+            yield chunk(
+                [
+                    ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))
+                    for choice in choices
+                ],
+                prompt_ids=submissions[0].prompt_ids if body.return_token_ids else None,
+            )
+            if submissions[0].echo:
+                yield chunk(
+                    [
+                        ChatChunkChoice(index=choice.index, delta=DeltaMessage(content=choice.echo))
+                        for choice in choices
+                    ]
+                )
+            async with aclosing(self.choice_deltas(submissions, choices, timer)) as steps:
+                async for step in steps:
+                    chunk_choices = []
+                    for item in step:
+                        delta = delta_message(item)
+                        if delta is None and not item.worth_sending(with_tokens, with_text=False):
+                            continue
+                        delta = delta or DeltaMessage()
+                        chunk_choices.append(
+                            ChatChunkChoice(
+                                index=item.choice.index,
+                                delta=delta,
+                                logprobs=(
+                                    logprob_format.chat(item.delta.logprobs or [], body.top_logprobs)
+                                    if body.logprobs
+                                    else None
+                                ),
+                                finish_reason=finish_reason(body, item.delta.finish_reason, called(item)),
+                                stop_reason=item.delta.stop_reason,
+                                token_ids=item.delta.token_ids if body.return_token_ids else None,
+                            )
+                        )
+                    if chunk_choices:
+                        yield chunk(chunk_choices)
+            if body.include_usage:
+                yield chunk([], final_usage=True)
+        except (EngineDeadError, RequestFailed, RequestRejected) as error:
+            yield error_event(error)
+        yield DONE_EVENT
+
+
+def template_message(message: ChatMessage) -> dict:
+    """A message as chat templates read it: earlier tool calls with their arguments as objects
+    (templates write them with `tojson`, as vLLM passes them), a tool's answer with its call id."""
+    rendered: dict = {"role": message.role, "content": message.text}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {"name": call.function.name, "arguments": arguments},
+            }
+            for call in message.tool_calls
+            for arguments in [json_or_text(call.function.arguments)]
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def json_or_text(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
