@@ -446,6 +446,24 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, served: 
     assert tokenized["tokens"] == token_ids(served, rendered)
 
 
+def test_tools_reach_the_template_in_chat_and_tokenize_alike(client: openai.OpenAI, served: Served) -> None:
+    rendered = served.engine.tokenizer.apply_chat_template(
+        ASK, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert "tools: weather forecast" in rendered  # the tiny template names them, as real ones describe them
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=2,
+        tools=TOOLS,
+        tool_choice="none",
+        extra_body={"return_token_ids": True},
+    )
+    assert out.model_extra["prompt_token_ids"] == token_ids(served, rendered)
+    tokenized = httpx.post(f"{served.url}/tokenize", json={"messages": ASK, "tools": TOOLS}).json()
+    assert tokenized["tokens"] == token_ids(served, rendered)
+
+
 # ------------------------------------------------------------------------------ forced tool calls
 CITY = {
     "type": "object",

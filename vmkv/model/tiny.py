@@ -28,6 +28,11 @@ PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 CHAT_TEMPLATE = (
+    # tools named to the model, as templates that support tools describe them (in short: the
+    # byte-level tokenizer spends a token per character)
+    "{% if tools %}{{ '<|im_start|>system\ntools:' }}"
+    "{% for tool in tools %}{{ ' ' + tool['function']['name'] }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"

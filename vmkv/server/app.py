@@ -31,6 +31,7 @@ from vmkv.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from vmkv.server.tool_calls import template_tools
 from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
@@ -115,6 +116,7 @@ def build_app(
                 body.add_generation_prompt,
                 body.continue_final_message,
                 body.chat_template_kwargs,
+                template_tools(body.tools),
             )
             tokens = await chat.encode(text, add_special_tokens=False, param="messages")
         else:

@@ -127,7 +127,7 @@ class ChatServing(OpenAIServing):
             body.add_generation_prompt,
             body.continue_final_message,
             body.chat_template_kwargs,
-            template_tools(body),
+            template_tools(body.tools),
         )
         prompt_ids = self.truncated(await self.encode(text, add_special_tokens=False, param="messages"), body)
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")

@@ -480,6 +480,7 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> TokenizeRequest:

@@ -146,9 +146,9 @@ def call_stream(body: ChatCompletionRequest, parse: bool) -> ForcedCallStream | 
     return HermesStream() if parse else None
 
 
-def template_tools(body: ChatCompletionRequest) -> list[dict] | None:
+def template_tools(tools: list[ToolDefinition] | None) -> list[dict] | None:
     """The tools as chat templates read them (OpenAI's shape), whatever tool_choice says."""
-    return [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
 
 
 def _parameters(tool: ToolDefinition) -> dict:
