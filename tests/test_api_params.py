@@ -264,6 +264,39 @@ def test_include_stop_str_in_output_keeps_the_match_in_both_front_doors(
     llm.engine.close()
 
 
+def test_logprob_token_ids_give_the_listed_tokens_logprobs_in_place_of_the_top_ones(
+    client: openai.OpenAI,
+) -> None:
+    def named(**extra: object) -> openai.types.Completion:
+        return complete(client, max_tokens=4, return_tokens_as_token_ids=True, **extra)
+
+    plain = named(logprobs=5).choices[0].logprobs
+    chosen = int(plain.tokens[0].split(":")[1])
+    listed = [int(name.split(":")[1]) for name in plain.top_logprobs[0] if name != plain.tokens[0]][:2]
+    scored = named(logprobs=0, logprob_token_ids=listed).choices[0].logprobs
+    assert scored.tokens == plain.tokens  # the same greedy answer
+    for name, logprob in plain.top_logprobs[0].items():
+        if int(name.split(":")[1]) in listed + [chosen]:
+            assert scored.top_logprobs[0][name] == pytest.approx(logprob, abs=1e-4)
+    assert all(
+        set(top) == {f"token_id:{t}" for t in listed} | {token}
+        for top, token in zip(scored.top_logprobs, scored.tokens, strict=True)
+    )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        logprobs=True,
+        extra_body={"logprob_token_ids": listed, "return_tokens_as_token_ids": True},
+    )
+    for entry in chat.choices[0].logprobs.content:
+        assert [top.token for top in entry.top_logprobs] == [f"token_id:{t}" for t in listed]
+    for bad in ({"logprob_token_ids": [100000], "logprobs": 0}, {"logprob_token_ids": listed}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            named(**bad)
+        assert caught.value.body["param"] == "logprob_token_ids"
+
+
 def test_allowed_token_ids_are_the_only_tokens_sampled(client: openai.OpenAI, served: Served) -> None:
     allowed = [single_token(served, WORD), single_token(served, " is")]
     for temperature in (0.0, 1.0):

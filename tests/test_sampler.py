@@ -200,6 +200,8 @@ def test_logprobs_are_top_k_of_the_raw_distribution_plus_the_sampled_token() -> 
         ("bad_words_token_ids", [[1, -2]]),
         ("allowed_token_ids", []),
         ("allowed_token_ids", [2, -1]),
+        ("logprob_token_ids", []),
+        ("logprob_token_ids", [3]),  # without logprobs, whose top tokens it replaces
     ],
 )
 def test_invalid_sampling_params_raise_value_errors_naming_the_field(field: str, value: object) -> None:

@@ -95,6 +95,10 @@ class EngineInfo:
             raise RequestRejected(
                 f"logit_bias token ids must be below the vocabulary size {self.vocab_size}", "logit_bias"
             )
+        if params.logprob_token_ids and max(params.logprob_token_ids) >= self.vocab_size:
+            raise RequestRejected(
+                f"logprob_token_ids must be below the vocabulary size {self.vocab_size}", "logprob_token_ids"
+            )
         if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
             raise RequestRejected(
                 f"allowed_token_ids must be below the vocabulary size {self.vocab_size}", "allowed_token_ids"

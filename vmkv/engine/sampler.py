@@ -199,8 +199,12 @@ class Sampler:
         chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1).tolist()
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
         for j, i in enumerate(wanted):
-            n = rows[i].params.logprobs
-            entry = dict(zip(top_ids[j][:n], top_values[j][:n], strict=True))
+            listed = rows[i].params.logprob_token_ids
+            if listed is not None:  # these tokens' logprobs instead of the k most likely
+                entry = dict(zip(listed, logprobs[j, listed].tolist(), strict=True))
+            else:
+                n = rows[i].params.logprobs
+                entry = dict(zip(top_ids[j][:n], top_values[j][:n], strict=True))
             entry[int(tokens[i])] = chosen[j]
             out[i] = entry
         return out

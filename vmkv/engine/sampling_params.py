@@ -41,7 +41,8 @@ class SamplingParams:
     the request its own random stream, so the same seed gives the same output. n samples
     share the prompt's KV: the prompt is prefilled once, then forked. logprobs=k returns the
     k most likely tokens at each step (from the unmodified model distribution) plus the
-    sampled one; prompt_logprobs=k does the same for every prompt token after the first
+    sampled one; logprob_token_ids, those tokens instead of the k most likely (scoring a fixed
+    set of labels). prompt_logprobs=k does the same for every prompt token after the first
     (such a request never reads the prefix cache: a cached token has no logits). Stop strings
     are cut from the returned text (include_stop_str_in_output keeps the string that matched
     and cuts after it); stop token ids end the sample and stay in token_ids, as the
@@ -70,6 +71,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
@@ -100,6 +102,17 @@ class SamplingParams:
             _check_int("seed", self.seed, minimum=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(self.logprob_token_ids)
+            if not self.logprob_token_ids or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logprob_token_ids
+            ):
+                raise ValueError(
+                    f"logprob_token_ids must be a non-empty list of non-negative token ids, "
+                    f"got {self.logprob_token_ids!r}"
+                )
+            if self.logprobs is None:
+                raise ValueError("logprob_token_ids needs logprobs set (the logprobs it replaces)")
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -170,7 +170,7 @@ class ChatServing(OpenAIServing):
             message=AssistantMessage(
                 content=None if content is None else choice.echo + content, tool_calls=calls
             ),
-            logprobs=logprob_format.chat(choice.logprobs, body.top_logprobs) if body.logprobs else None,
+            logprobs=logprob_format.chat(choice.logprobs) if body.logprobs else None,
             finish_reason=finish_reason(body, choice.finish_reason, bool(calls)),
             stop_reason=choice.stop_reason,
             token_ids=choice.token_ids if body.return_token_ids else None,
@@ -247,9 +247,7 @@ class ChatServing(OpenAIServing):
                                 index=item.choice.index,
                                 delta=delta,
                                 logprobs=(
-                                    logprob_format.chat(item.delta.logprobs or [], body.top_logprobs)
-                                    if body.logprobs
-                                    else None
+                                    logprob_format.chat(item.delta.logprobs or []) if body.logprobs else None
                                 ),
                                 finish_reason=finish_reason(body, item.delta.finish_reason, called(item)),
                                 stop_reason=item.delta.stop_reason,

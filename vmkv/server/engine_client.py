@@ -105,7 +105,7 @@ class EngineClient:
                 deltas = [
                     delta
                     for sample in output.outputs
-                    if (delta := _delta(sample, sent.setdefault(sample.index, _Sent()), params.logprobs))
+                    if (delta := _delta(sample, sent.setdefault(sample.index, _Sent()), params))
                 ]
                 if output.prompt_logprobs is not None and deltas and not prompt_logprobs_sent:
                     prompt_logprobs_sent = True
@@ -135,8 +135,9 @@ def _engine_dead(reason: str) -> EngineDeadError:
     return EngineDeadError(f"the engine has stopped: {reason}")
 
 
-def _delta(sample: CompletionOutput, sent: _Sent, num_top: int | None) -> SampleDelta | None:
-    """The part of a cumulative sample not sent yet, or None if nothing changed."""
+def _delta(sample: CompletionOutput, sent: _Sent, params: SamplingParams) -> SampleDelta | None:
+    """The part of a cumulative sample not sent yet, or None if nothing changed. A token's top
+    logprobs are its k most likely, or the tokens logprob_token_ids lists, in their order."""
     text = sample.text[sent.chars :]
     token_ids = sample.token_ids[sent.tokens :]
     newly_finished = sample.finish_reason is not None and not sent.finished
@@ -144,8 +145,15 @@ def _delta(sample: CompletionOutput, sent: _Sent, num_top: int | None) -> Sample
         return None
     logprobs = None
     if sample.logprobs is not None:
+        listed = params.logprob_token_ids
         logprobs = [
-            TokenLogprob(token_id, top[token_id], sorted(top.items(), key=lambda item: -item[1])[:num_top])
+            TokenLogprob(
+                token_id,
+                top[token_id],
+                [(t, top[t]) for t in listed]
+                if listed is not None
+                else sorted(top.items(), key=lambda item: -item[1])[: params.logprobs],
+            )
             for token_id, top in zip(token_ids, sample.logprobs[sent.tokens :], strict=True)
         ]
     sent.chars, sent.tokens, sent.finished = (

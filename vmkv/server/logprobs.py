@@ -87,7 +87,10 @@ class LogprobFormatter:
             for entry in entries
         ]
 
-    def chat(self, logprobs: list[TokenLogprob], top_logprobs: int | None) -> ChatLogprobs:
+    def chat(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
+        """Chat's shape; each token's `top` is already what the request asked for (the engine
+        client cut it to top_logprobs, or to logprob_token_ids)."""
+
         def entry(token_id: int, logprob: float) -> TopLogprob:
             token = self.name(token_id)
             return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
@@ -95,6 +98,6 @@ class LogprobFormatter:
         content = []
         for item in logprobs:
             chosen = entry(item.token_id, item.logprob)
-            top = [entry(token_id, logprob) for token_id, logprob in item.top[: top_logprobs or 0]]
+            top = [entry(token_id, logprob) for token_id, logprob in item.top]
             content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
         return ChatLogprobs(content=content)

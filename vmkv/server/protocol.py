@@ -26,6 +26,8 @@ from pydantic import (
 # The OpenAI API caps both; they also bound the work one request can ask for.
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+# logprob_token_ids are looked up and sent per generated token: a label set, not a vocabulary
+MAX_LOGPROB_TOKEN_IDS = 256
 # Each bad word is tokenized per request and compared with every sample's output at each step.
 MAX_BAD_WORDS = 128
 # The OpenAI API's seed is a signed 64-bit integer; only its non-negative half makes sense here.
@@ -144,6 +146,9 @@ class SamplingFields(OpenAIModel):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
         default=None, description="Only these token ids may be sampled."
     )
+    logprob_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)] | None
+    ) = Field(default=None, description="With logprobs: these tokens' logprobs instead of the top ones.")
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = Field(
         default=None, description="Keep this many prompt tokens (-1: max_model_len), cut at truncation_side."
     )
@@ -167,7 +172,6 @@ class SamplingFields(OpenAIModel):
     use_beam_search: StrictBool = False
     length_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False)] = 1.0
     spaces_between_special_tokens: StrictBool = True
-    logprob_token_ids: list[TokenId] | None = None
     prompt_embeds: Any = None
 
     @property

@@ -23,7 +23,6 @@ def sampling_refusals(body: SamplingFields) -> list[Refusal]:
         ("use_beam_search", body.use_beam_search, "beam search is not implemented"),
         ("length_penalty", body.length_penalty != 1.0, "it applies to beam search, which is not implemented"),
         ("spaces_between_special_tokens", not body.spaces_between_special_tokens, "not implemented"),
-        ("logprob_token_ids", body.logprob_token_ids is not None, "logprobs are of the top tokens only"),
         ("prompt_embeds", body.prompt_embeds is not None, "prompts are text or token ids"),
     ]
 

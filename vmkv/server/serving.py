@@ -258,6 +258,11 @@ class OpenAIServing:
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(body.logit_bias or {}, "logit_bias")
         self.check_token_ids(body.allowed_token_ids or [], "allowed_token_ids")
+        self.check_token_ids(body.logprob_token_ids or [], "logprob_token_ids")
+        if body.logprob_token_ids and logprobs is None:
+            raise bad_request(
+                "logprob_token_ids needs logprobs (the top logprobs it replaces)", "logprob_token_ids"
+            )
         if body.min_tokens > max_tokens:
             raise bad_request(
                 f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
@@ -275,6 +280,7 @@ class OpenAIServing:
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            logprob_token_ids=body.logprob_token_ids,
             prompt_logprobs=prompt_logprobs_wanted(body, logprobs),
             skip_special_tokens=body.skip_special_tokens,
             presence_penalty=body.presence_penalty,
