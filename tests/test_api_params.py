@@ -22,6 +22,7 @@ from vmkv.engine.structured_output import check_structured
 from vmkv.server import EngineClient, build_app
 from vmkv.server.chat import template_message
 from vmkv.server.protocol import ChatCompletionRequest
+from vmkv.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from vmkv.server.tool_calls import answer_calls, forced_tool
 from vmkv.server.tool_parser import HermesStream, parse_calls
 
@@ -654,6 +655,68 @@ def test_a_hermes_parser_serves_calls_the_model_chooses_to_make(served: Served) 
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, tools=TOOLS)
         assert plain.choices[0].message.tool_calls is None  # a free answer with no call is content
+
+
+REASONING_ANSWERS = [
+    ("<think>Paris is the capital.</think>It is Paris.", ("Paris is the capital.", "It is Paris.")),
+    ("The template opened it.</think>Paris.", ("The template opened it.", "Paris.")),
+    ("<think>cut short by max_tok", ("cut short by max_tok", None)),
+    ("<think>all thought</think>", ("all thought", None)),
+    ("No thinking, and a </thinking> word.", None),  # None: by parser, below
+]
+
+
+@pytest.mark.parametrize("parser", REASONING_PARSERS)
+@pytest.mark.parametrize(("text", "expected"), REASONING_ANSWERS)
+def test_reasoning_splits_alike_whole_and_streamed_in_any_pieces(
+    parser: str, text: str, expected: tuple[str | None, str | None] | None
+) -> None:
+    whole = split_reasoning(text, parser)
+    if parser == "qwen3" and not text.startswith("<think>"):
+        assert whole == (None, text)  # qwen3: only an answer opening with the tag thinks
+    elif expected is not None:
+        assert whole == expected
+    else:
+        assert whole == (text, None)  # deepseek_r1: thinking until a </think> that never came
+    for size in range(1, len(text) + 1):
+        stream, reasoning, content = ReasoningStream(parser), "", ""
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            new_reasoning, new_content = stream.delta(piece, finished=i == len(pieces) - 1)
+            reasoning, content = reasoning + new_reasoning, content + new_content
+        assert (reasoning or None, content or None) == whole, size
+
+
+def test_a_reasoning_parser_puts_the_thinking_beside_the_answer(served: Served) -> None:
+    """--reasoning-parser qwen3; the random model is held to a thinking answer by a regex, as a
+    reasoning model writes one. An answer held to JSON has no reasoning to split off."""
+    said = "<think>The user wants a city.</think>Paris."
+    with LiveServer(build_app(served.engine, MODEL, reasoning_parser="qwen3")) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        request = {
+            "model": MODEL,
+            "messages": ASK,
+            "max_tokens": 80,
+            "temperature": 0.0,
+            "extra_body": {"structured_outputs": {"regex": re.escape(said)}},
+        }
+        message = client.chat.completions.create(**request).choices[0].message
+        assert (message.model_extra["reasoning"], message.content) == ("The user wants a city.", "Paris.")
+        chunks = [c for c in client.chat.completions.create(**request, stream=True) if c.choices]
+        deltas = [c.choices[0].delta for c in chunks]
+        assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == "The user wants a city."
+        assert "".join(d.content or "" for d in deltas) == "Paris."
+        forced = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            max_tokens=60,
+            temperature=0.0,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+        assert "reasoning" not in forced.choices[0].message.model_extra
+        assert forced.choices[0].message.tool_calls
 
 
 def test_earlier_tool_calls_and_tool_answers_reach_the_template_as_templates_read_them(

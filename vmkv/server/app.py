@@ -31,6 +31,7 @@ from vmkv.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from vmkv.server.reasoning import REASONING_PARSERS
 from vmkv.server.tool_calls import template_tools
 from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
@@ -58,6 +59,7 @@ def build_app(
     open_metrics: bool = False,
     limits: RequestLimits | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -65,13 +67,16 @@ def build_app(
     that share one engine leave that to its owner). With `api_keys`, every route but the probes
     (/health, /version) wants `Authorization: Bearer <one of them>`; /metrics too unless
     `open_metrics`. `tool_call_parser` (one of TOOL_CALL_PARSERS) reads the calls a model makes
-    with tool_choice "auto"; without one, "auto" is refused.
+    with tool_choice "auto"; without one, "auto" is refused. `reasoning_parser` (one of
+    REASONING_PARSERS) splits a reasoning model's thinking from its answer.
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
     serving_metrics, limits = ServingMetrics(served_model_name), limits or RequestLimits()
     completions = CompletionServing(engine, served_model_name, serving_metrics, limits)
-    chat = ChatServing(engine, served_model_name, serving_metrics, limits, tool_call_parser)
+    chat = ChatServing(engine, served_model_name, serving_metrics, limits, tool_call_parser, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

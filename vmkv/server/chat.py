@@ -30,6 +30,7 @@ from vmkv.server.protocol import (
     now,
     random_id,
 )
+from vmkv.server.reasoning import ReasoningStream, split_reasoning
 from vmkv.server.refusals import chat_refusals, check_supported, sampling_refusals
 from vmkv.server.serving import (
     Choice,
@@ -72,9 +73,11 @@ class ChatServing(OpenAIServing):
         metrics: ServingMetrics,
         limits: RequestLimits,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(engine, model_name, metrics, limits)
         self.tool_call_parser = tool_call_parser  # reads the calls of tool_choice "auto" (tool_parser.py)
+        self.reasoning_parser = reasoning_parser  # splits the reasoning from the answer (reasoning.py)
 
     def render_chat(
         self,
@@ -141,16 +144,24 @@ class ChatServing(OpenAIServing):
             submission.echo = last.text
         submissions = [submission]
         logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
+        # an answer held to JSON (a schema, forced tool calls) has no reasoning to split off
+        reasoning = (
+            None
+            if structured is not None and structured.kind in ("json", "json_object")
+            else self.reasoning_parser
+        )
         timer = self.metrics.timer()
         if body.stream:
-            return EventStreamResponse(self.chat_events(body, request_id, submissions, timer, logprob_format))
+            return EventStreamResponse(
+                self.chat_events(body, request_id, submissions, timer, logprob_format, reasoning)
+            )
         choices = await self.collect_or_answer_disconnect(request, submissions, timer)
         if isinstance(choices, Response):
             return choices
         response = ChatCompletionResponse(
             id=request_id,
             model=self.model_name,
-            choices=[self.chat_choice(body, choice, logprob_format) for choice in choices],
+            choices=[self.chat_choice(body, choice, logprob_format, reasoning) for choice in choices],
             usage=usage(submissions, choices),
             prompt_logprobs=logprob_format.prompt(choices[0].prompt_logprobs, body.prompt_logprobs),
             prompt_token_ids=prompt_ids if body.return_token_ids else None,
@@ -162,13 +173,24 @@ class ChatServing(OpenAIServing):
         return self.tool_call_parser is not None and lets_model_call(body)
 
     def chat_choice(
-        self, body: ChatCompletionRequest, choice: Choice, logprob_format: LogprobFormatter
+        self,
+        body: ChatCompletionRequest,
+        choice: Choice,
+        logprob_format: LogprobFormatter,
+        reasoning_parser: str | None,
     ) -> ChatChoice:
-        content, calls = answer_calls(body, choice.text, self.parses_calls(body))
+        reasoning, text = (
+            split_reasoning(choice.text, reasoning_parser) if reasoning_parser else (None, choice.text)
+        )
+        content, calls = answer_calls(body, text or "", self.parses_calls(body))
+        if reasoning is not None and not content:
+            content = None  # it all went to reasoning, as vLLM answers then
         return ChatChoice(
             index=choice.index,
             message=AssistantMessage(
-                content=None if content is None else choice.echo + content, tool_calls=calls
+                content=None if content is None else choice.echo + content,
+                tool_calls=calls,
+                reasoning=reasoning,
             ),
             logprobs=logprob_format.chat(choice.logprobs) if body.logprobs else None,
             finish_reason=finish_reason(body, choice.finish_reason, bool(calls)),
@@ -183,20 +205,35 @@ class ChatServing(OpenAIServing):
         submissions: list[Submission],
         timer: RequestTimer,
         logprob_format: LogprobFormatter,
+        reasoning_parser: str | None,
     ) -> AsyncGenerator[str, None]:
         created = now()
         choices = new_choices(submissions)
-        # where the answer may hold tool calls, each choice's text turns into tool-call deltas
+        # where the answer may hold tool calls, each choice's text turns into tool-call deltas;
+        # with a reasoning parser, only the text after its reasoning does
         calls = {choice.index: call_stream(body, self.parses_calls(body)) for choice in choices}
+        thoughts = (
+            {choice.index: ReasoningStream(reasoning_parser) for choice in choices}
+            if reasoning_parser
+            else {}
+        )
 
         with_tokens = body.logprobs or bool(body.return_token_ids)
 
         def delta_message(item: ChoiceDelta) -> DeltaMessage | None:
-            """What the choice says this step: its new text, or the tool calls it makes."""
+            """What the choice says this step: its reasoning, new text, or the tool calls it makes."""
+            text, finished, reasoning = item.delta.text, item.delta.finish_reason is not None, ""
+            if thoughts:
+                reasoning, text = thoughts[item.choice.index].delta(text, finished)
             stream = calls[item.choice.index]
             if stream is None:
-                return DeltaMessage(content=item.delta.text) if item.delta.text else None
-            return stream.delta(item.delta.text, item.delta.finish_reason is not None)
+                message = DeltaMessage(content=text) if text else None
+            else:
+                message = stream.delta(text, finished)
+            if reasoning:
+                message = message or DeltaMessage()
+                message.reasoning = reasoning
+            return message
 
         def called(item: ChoiceDelta) -> bool:
             stream = calls[item.choice.index]

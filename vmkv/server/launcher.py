@@ -25,6 +25,7 @@ from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
 from vmkv.server.engine_client import EngineClient
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES
 from vmkv.server.limits import RequestLimits
+from vmkv.server.reasoning import REASONING_PARSERS
 from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='read the tool calls a model makes with tool_choice "auto" in this format (hermes: '
         '<tool_call>{json}</tool_call>, Qwen2.5/Qwen3/Hermes); without it "auto" is refused',
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a reasoning model's <think>...</think> from its answer into the message's `reasoning` "
+        "(deepseek_r1: thinking from the start, the opening tag optional; qwen3: only an answer that "
+        "opens with <think>)",
     )
     server.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -199,6 +208,7 @@ def serve_main(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         owns_engine=True,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     drain = Drain(app)
     freeze_start_up_heap()

@@ -388,6 +388,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None when the answer is tool calls, as OpenAI sends it
     tool_calls: list[ToolCall] | None = sent_if_asked()
+    reasoning: str | None = sent_if_asked()  # vLLM's, with a reasoning parser
 
 
 class ChatChoice(BaseModel):
@@ -430,6 +431,7 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unchanged(self, handler: SerializerFunctionWrapHandler) -> dict:
