@@ -687,36 +687,41 @@ def test_reasoning_splits_alike_whole_and_streamed_in_any_pieces(
         assert (reasoning or None, content or None) == whole, size
 
 
-def test_a_reasoning_parser_puts_the_thinking_beside_the_answer(served: Served) -> None:
-    """--reasoning-parser qwen3; the random model is held to a thinking answer by a regex, as a
-    reasoning model writes one. An answer held to JSON has no reasoning to split off."""
-    said = "<think>The user wants a city.</think>Paris."
-    with LiveServer(build_app(served.engine, MODEL, reasoning_parser="qwen3")) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        request = {
-            "model": MODEL,
-            "messages": ASK,
-            "max_tokens": 80,
-            "temperature": 0.0,
-            "extra_body": {"structured_outputs": {"regex": re.escape(said)}},
-        }
-        message = client.chat.completions.create(**request).choices[0].message
-        assert (message.model_extra["reasoning"], message.content) == ("The user wants a city.", "Paris.")
-        chunks = [c for c in client.chat.completions.create(**request, stream=True) if c.choices]
-        deltas = [c.choices[0].delta for c in chunks]
-        assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == "The user wants a city."
-        assert "".join(d.content or "" for d in deltas) == "Paris."
-        forced = client.chat.completions.create(
-            model=MODEL,
-            messages=ASK,
-            max_tokens=60,
-            temperature=0.0,
-            tools=TOOLS,
-            tool_choice="required",
-            parallel_tool_calls=False,
-        )
-        assert "reasoning" not in forced.choices[0].message.model_extra
-        assert forced.choices[0].message.tool_calls
+def test_a_reasoning_parser_splits_thinking_answers_and_holds_constraints_until_it_ends(
+    client: openai.OpenAI, served: Served
+) -> None:
+    """--reasoning-parser over the random model, which never writes a </think>: deepseek_r1 reads
+    its free answer as thinking cut short, qwen3 (no opening tag) as content; a constraint waits
+    for the end of the thinking, unless the prompt closed the thinking block (the tiny template
+    does with enable_thinking=false), when the answer is not split and is constrained at once."""
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0.0)
+    text = plain.choices[0].message.content
+    tools = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    forced = {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0.0, **tools}
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    for parser, split in [("deepseek_r1", (text, None)), ("qwen3", (None, text))]:
+        with LiveServer(build_app(served.engine, MODEL, reasoning_parser=parser)) as server:
+            reasoner = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            request = {"model": MODEL, "messages": ASK, "max_tokens": 8, "temperature": 0.0}
+            message = reasoner.chat.completions.create(**request).choices[0].message
+            assert (message.model_extra.get("reasoning"), message.content) == split
+            deltas = [
+                c.choices[0].delta
+                for c in reasoner.chat.completions.create(**request, stream=True)
+                if c.choices
+            ]
+            streamed = "".join(d.model_extra.get("reasoning") or "" for d in deltas) or None
+            assert (streamed, "".join(d.content or "" for d in deltas) or None) == split
+            answer = reasoner.chat.completions.create(**forced, extra_body=no_thinking).choices[0]
+            assert answer.message.tool_calls and "reasoning" not in answer.message.model_extra
+            if parser == "deepseek_r1":  # thinking: free until the </think> that never comes
+                free = reasoner.chat.completions.create(**{**forced, "max_tokens": 8}).choices[0]
+                assert (free.finish_reason, free.message.tool_calls, free.message.content) == (
+                    "length",
+                    None,
+                    None,
+                )
+                assert free.message.model_extra["reasoning"]
 
 
 def test_earlier_tool_calls_and_tool_answers_reach_the_template_as_templates_read_them(

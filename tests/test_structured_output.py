@@ -56,6 +56,26 @@ def test_a_completed_grammar_stops_the_sample_even_with_ignore_eos(llm: LLM) -> 
     assert len(sample.token_ids) < 50
 
 
+def test_structured_after_leaves_the_output_free_until_its_tokens_then_constrains_it(llm: LLM) -> None:
+    """A reasoning model thinks freely, then answers to the constraint: the marker here is the
+    free answer's own third token, so the first three tokens are the free ones and the rest
+    (by then in the middle of arbitrary text) is a choice, with n = 2 samples alike."""
+    free = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0].token_ids
+    params = SamplingParams(
+        temperature=0.0, n=2, max_tokens=40, structured=CHOICE, structured_after=free[2:3]
+    )
+    for sample in llm.generate(PROMPT, params)[0].outputs:
+        assert sample.token_ids[:3] == free[:3]
+        answer = llm.tokenizer.decode(sample.token_ids[3:], skip_special_tokens=True)
+        assert answer in CHOICE.choices and sample.finish_reason == "stop"
+    whole = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=40, structured=CHOICE))[
+        0
+    ].outputs[0]
+    assert whole.text in CHOICE.choices  # without it, constrained from the first token
+    with pytest.raises(ValueError, match="structured_after"):
+        SamplingParams(structured_after=[5])  # nothing to start
+
+
 def test_a_row_left_with_no_allowed_token_ends_instead_of_failing_the_step(llm: LLM) -> None:
     # the choice completes long before min_tokens, which masks the only token the grammar still allows
     held = SamplingParams(temperature=1.0, seed=4, min_tokens=10, max_tokens=20, structured=CHOICE)

@@ -259,7 +259,7 @@ class LLMEngine:
         row_seqs, row_index = self._expand_forks(sampling)
         groups = [self._group_of[s.seq_id] for s in row_seqs]
         rows = [
-            SampleRow(g.params, s.generator, s.token_ids, s.prompt_len, s.grammar)
+            SampleRow(g.params, s.generator, s.token_ids, s.prompt_len, s.grammar if s.constrained else None)
             for s, g in zip(row_seqs, groups, strict=True)
         ]
         if row_index != list(range(len(sampling))):
@@ -421,6 +421,7 @@ class LLMEngine:
             if seed is None
             else torch.Generator(device=self.runner.device).manual_seed(sample_seed(seed, index)),
             logprobs=None if group.params.logprobs is None else [],
+            constrained=group.params.structured_after is None,
         )
         self._next_seq_id += 1
         group.seqs.append(seq)
@@ -441,6 +442,7 @@ class LLMEngine:
                     child.num_computed = seq.num_computed
                     child.fork_parent = seq
                     child.grammar = None if seq.grammar is None else seq.grammar.fork()
+                    child.constrained = seq.constrained
                     row_seqs.append(child)
                     row_index.append(i)
         return row_seqs, row_index
@@ -450,6 +452,9 @@ class LLMEngine:
     ) -> None:
         params = group.params
         seq.token_ids.append(token)
+        after = params.structured_after
+        if not seq.constrained and seq.num_output >= len(after) and seq.token_ids[-len(after) :] == after:
+            seq.constrained = True  # the thinking is over: the constraint holds from the next token
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
@@ -457,7 +462,7 @@ class LLMEngine:
             seq.finish_reason = FinishReason.STOP
         elif token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
-        elif seq.grammar is not None and seq.grammar.terminated:
+        elif seq.grammar is not None and seq.constrained and seq.grammar.terminated:
             seq.finish_reason = FinishReason.STOP
         elif seq.num_output >= params.max_tokens:
             seq.finish_reason = FinishReason.LENGTH

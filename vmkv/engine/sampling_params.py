@@ -57,7 +57,9 @@ class SamplingParams:
     token of each listed sequence wherever the output ends with the rest of it (the API
     tokenizes bad_words into these, as vLLM does); allowed_token_ids masks every token not
     listed; `structured` masks every token the constraint does not allow and ends the sample
-    when the constraint is complete.
+    when the constraint is complete. With structured_after (a reasoning model's end-of-thinking
+    token ids) the constraint holds only from the token after the output first ends with them:
+    the thinking before is free.
     """
 
     n: int = 1
@@ -83,6 +85,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     allowed_token_ids: list[int] | None = None
     structured: StructuredOutput | None = None
+    structured_after: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -152,6 +155,16 @@ class SamplingParams:
                 )
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        if self.structured_after is not None:
+            self.structured_after = list(self.structured_after)
+            if (
+                self.structured is None
+                or not self.structured_after
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.structured_after)
+            ):
+                raise ValueError(
+                    "structured_after must be a non-empty list of non-negative token ids, with structured set"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -57,6 +57,8 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     grammar: GrammarState | None = None  # its structured-output matcher (the sampler advances it)
+    # False while the output is still free before params.structured_after (a model's thinking)
+    constrained: bool = True
 
     @property
     def num_output(self) -> int:

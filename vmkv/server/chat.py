@@ -30,7 +30,7 @@ from vmkv.server.protocol import (
     now,
     random_id,
 )
-from vmkv.server.reasoning import ReasoningStream, split_reasoning
+from vmkv.server.reasoning import END, ReasoningStream, split_reasoning, thinks_first
 from vmkv.server.refusals import chat_refusals, check_supported, sampling_refusals
 from vmkv.server.serving import (
     Choice,
@@ -136,20 +136,19 @@ class ChatServing(OpenAIServing):
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         request_id = random_id("chatcmpl")
+        # A reasoning model thinks first (unless the prompt closed its thinking block): the answer
+        # is split, and an output constraint holds from the end of the thinking.
+        reasoning = self.reasoning_parser if thinks_first(text) else None
+        thinking = reasoning is not None and structured is not None
+        end_of_thinking = self.tokenizer(END, add_special_tokens=False)["input_ids"] if thinking else None
         submission = self.submission(
-            request_id, prompt_ids, body, max_tokens, logprobs, 0, structured, "messages"
+            request_id, prompt_ids, body, max_tokens, logprobs, 0, structured, "messages", end_of_thinking
         )
         last = body.messages[-1]
         if body.echo and last.role == "assistant":  # vLLM's chat echo: the message being continued
             submission.echo = last.text
         submissions = [submission]
         logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
-        # an answer held to JSON (a schema, forced tool calls) has no reasoning to split off
-        reasoning = (
-            None
-            if structured is not None and structured.kind in ("json", "json_object")
-            else self.reasoning_parser
-        )
         timer = self.metrics.timer()
         if body.stream:
             return EventStreamResponse(

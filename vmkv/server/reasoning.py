@@ -29,6 +29,14 @@ def split_reasoning(text: str, parser: str) -> tuple[str | None, str | None]:
     return reasoning, content or None
 
 
+def thinks_first(prompt: str) -> bool:
+    """Whether the answer to this rendered prompt starts with thinking: not when the prompt's
+    last thinking block is already closed (a template that switched thinking off writes an
+    empty one)."""
+    start = prompt.rfind(START)
+    return start == -1 or END not in prompt[start:]
+
+
 @dataclass
 class ReasoningStream:
     """One choice's streamed text split as it comes; a tail that could begin a tag is held back

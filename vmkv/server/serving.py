@@ -252,9 +252,11 @@ class OpenAIServing:
         choice_offset: int,
         structured: StructuredOutput | None,
         prompt_param: str,
+        structured_after: list[int] | None = None,
     ) -> Submission:
         """An engine request the engine is known to accept (anything else is a 400 naming the
-        field to change: the engine's "prompt" is this route's `prompt_param`)."""
+        field to change: the engine's "prompt" is this route's `prompt_param`). structured_after:
+        the tokens after which `structured` holds (a reasoning model's end of thinking)."""
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(body.logit_bias or {}, "logit_bias")
         self.check_token_ids(body.allowed_token_ids or [], "allowed_token_ids")
@@ -292,6 +294,7 @@ class OpenAIServing:
             bad_words_token_ids=self.bad_words_token_ids(body.bad_words or []),
             allowed_token_ids=body.allowed_token_ids,
             structured=structured,
+            structured_after=structured_after if structured is not None else None,
         )
         try:
             self.engine.check_priority(body.priority)
