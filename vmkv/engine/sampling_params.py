@@ -105,17 +105,9 @@ class SamplingParams:
             _check_int("seed", self.seed, minimum=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
-        if self.logprob_token_ids is not None:
-            self.logprob_token_ids = list(self.logprob_token_ids)
-            if not self.logprob_token_ids or any(
-                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logprob_token_ids
-            ):
-                raise ValueError(
-                    f"logprob_token_ids must be a non-empty list of non-negative token ids, "
-                    f"got {self.logprob_token_ids!r}"
-                )
-            if self.logprobs is None:
-                raise ValueError("logprob_token_ids needs logprobs set (the logprobs it replaces)")
+        self.logprob_token_ids = _token_ids("logprob_token_ids", self.logprob_token_ids)
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            raise ValueError("logprob_token_ids needs logprobs set (the logprobs it replaces)")
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -144,27 +136,12 @@ class SamplingParams:
             for word in self.bad_words_token_ids
         ):
             raise ValueError("bad_words_token_ids must hold non-empty lists of non-negative token ids")
-        if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
-            if not self.allowed_token_ids or any(
-                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids
-            ):
-                raise ValueError(
-                    f"allowed_token_ids must be a non-empty list of non-negative token ids, "
-                    f"got {self.allowed_token_ids!r}"
-                )
+        self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
-        if self.structured_after is not None:
-            self.structured_after = list(self.structured_after)
-            if (
-                self.structured is None
-                or not self.structured_after
-                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.structured_after)
-            ):
-                raise ValueError(
-                    "structured_after must be a non-empty list of non-negative token ids, with structured set"
-                )
+        self.structured_after = _token_ids("structured_after", self.structured_after)
+        if self.structured_after is not None and self.structured is None:
+            raise ValueError("structured_after needs structured set (the constraint it starts)")
 
     @property
     def greedy(self) -> bool:
@@ -197,6 +174,16 @@ def _finite(value: object) -> bool:
 def _check_float(name: str, value: object, low: float, high: float) -> None:
     if not _finite(value) or not low <= value <= high:
         raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+def _token_ids(name: str, value: object) -> list[int] | None:
+    """An optional non-empty list of token ids, as a list; ValueError naming `name` otherwise."""
+    if value is None:
+        return None
+    ids = list(value) if isinstance(value, list | tuple) else []
+    if not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+        raise ValueError(f"{name} must be a non-empty list of non-negative token ids, got {value!r}")
+    return ids
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
