@@ -13,9 +13,9 @@ from test_server import MODEL, LiveServer
 
 from vmkv.engine import AsyncLLM
 from vmkv.engine.engine_info import EngineInfo
-from vmkv.model.store import DEFAULT_MODEL
+from vmkv.model.store import DEFAULT_MODEL, load_tokenizer
 from vmkv.server import EngineClient, build_app
-from vmkv.server.launcher import log_capacity, served_model_name
+from vmkv.server.launcher import hidden_tags, log_capacity, served_model_name
 
 CAPACITY_BYTES = 64 * 512  # the tiny fp32 model's KV is 512 B a token: 64 tokens, four 16-token blocks
 
@@ -28,6 +28,16 @@ def test_a_checkpoint_directory_is_served_under_its_base_name(tiny_model_dir: Pa
     assert name(f"{tiny_model_dir}/") == tiny_model_dir.name
     assert name(DEFAULT_MODEL) == DEFAULT_MODEL
     assert name(str(tiny_model_dir), "public") == "public"
+
+
+def test_parser_tags_a_tokenizer_marks_special_are_named_at_start(tiny_model_dir: Path) -> None:
+    """Detokenizing with skip_special_tokens drops a special token, so a parser whose tag is one
+    would never see it: the server warns at start (vLLM's Hermes parser turns the skipping off)."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    assert hidden_tags(tokenizer, "hermes", "qwen3") == []
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</think>"]})
+    assert hidden_tags(tokenizer, "hermes", "qwen3") == ["<tool_call>", "</think>"]
+    assert hidden_tags(tokenizer, None, None) == []
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import uvicorn
+from transformers import PreTrainedTokenizerBase
 
 from vmkv.engine import AsyncLLM, AsyncProcessLLM, DataParallelLLM, EngineStartError
 from vmkv.engine.args import (
@@ -25,7 +26,10 @@ from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
 from vmkv.server.engine_client import EngineClient
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES
 from vmkv.server.limits import RequestLimits
+from vmkv.server.reasoning import END as THINK_END
 from vmkv.server.reasoning import REASONING_PARSERS
+from vmkv.server.reasoning import START as THINK_START
+from vmkv.server.tool_parser import START as TOOL_CALL_START
 from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -161,6 +165,16 @@ def log_capacity(info: EngineInfo, kv_mode: str, replicas: int) -> None:
         )
 
 
+def hidden_tags(
+    tokenizer: PreTrainedTokenizerBase, tool_call_parser: str | None, reasoning_parser: str | None
+) -> list[str]:
+    """The tags the chosen parsers read that this tokenizer marks special, which detokenizing
+    with skip_special_tokens (the default) drops from the text the parsers read."""
+    tags = [TOOL_CALL_START] if tool_call_parser else []
+    tags += [THINK_START, THINK_END] if reasoning_parser else []
+    return [tag for tag in tags if tag in tokenizer.all_special_tokens]
+
+
 def served_model_name(args: argparse.Namespace) -> str:
     """--served-model-name, else a checkpoint directory's base name (never the whole path, which
     would show the server's file system to every client and metrics scraper), else --model."""
@@ -194,6 +208,12 @@ def serve_main(args: argparse.Namespace) -> None:
         raise SystemExit(f"vmkv: error: {error}") from error
     log_capacity(llm.info, args.kv_mode, args.data_parallel_size)
     engine = EngineClient(llm)
+    for tag in hidden_tags(engine.tokenizer, args.tool_call_parser, args.reasoning_parser):
+        logger.warning(
+            "the tokenizer marks %s a special token: answers drop it (so the parser never sees it) "
+            "unless a request sets skip_special_tokens to false",
+            tag,
+        )
     app = build_app(
         engine,
         served_model_name(args),
