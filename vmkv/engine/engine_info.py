@@ -87,20 +87,15 @@ class EngineInfo:
             raise RequestRejected(f"expected SamplingParams, got {type(params).__name__}")
         text, prompt_ids = self.prompt_token_ids(tokenizer, prompt)
         self.check_fits(len(prompt_ids), params)
-        if any(t >= self.vocab_size for word in params.bad_words_token_ids for t in word):
-            raise RequestRejected(
-                f"bad_words token ids must be below the vocabulary size {self.vocab_size}", "bad_words"
-            )
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise RequestRejected(
-                f"logit_bias token ids must be below the vocabulary size {self.vocab_size}", "logit_bias"
-            )
-        if params.logprob_token_ids and max(params.logprob_token_ids) >= self.vocab_size:
-            raise RequestRejected(
-                f"logprob_token_ids must be below the vocabulary size {self.vocab_size}", "logprob_token_ids"
-            )
-        if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
-            raise RequestRejected(
-                f"allowed_token_ids must be below the vocabulary size {self.vocab_size}", "allowed_token_ids"
-            )
+        token_id_params = {
+            "bad_words": [t for word in params.bad_words_token_ids for t in word],
+            "logit_bias": params.logit_bias or (),
+            "logprob_token_ids": params.logprob_token_ids or (),
+            "allowed_token_ids": params.allowed_token_ids or (),
+        }
+        for param, token_ids in token_id_params.items():
+            if any(t >= self.vocab_size for t in token_ids):
+                raise RequestRejected(
+                    f"{param}: token ids must be below the vocabulary size {self.vocab_size}", param
+                )
         return text, prompt_ids

@@ -89,7 +89,7 @@ def build_app(
     app = FastAPI(
         title="vmkv",
         version=package_version(),
-        description="OpenAI-compatible LLM chat.",
+        description="OpenAI-compatible LLM serving.",
         lifespan=lifespan,
     )
     install_error_handlers(app)

@@ -55,14 +55,11 @@ from vmkv.server.tool_calls import (
     template_tools,
 )
 
-# The status nginx made the convention for "client closed the request"; nobody is left to read it.
-
 # apply_chat_template's own parameters, and `messages`, the variable it renders the conversation
 # as: chat_template_kwargs reach the template's other variables, never these.
 CHAT_TEMPLATE_PARAMETERS = (
     frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
 ) | {"messages"}
-# Texts longer than this are tokenized on a worker thread, so the event loop keeps serving.
 
 
 class ChatServing(OpenAIServing):
@@ -78,6 +75,10 @@ class ChatServing(OpenAIServing):
         super().__init__(engine, model_name, metrics, limits)
         self.tool_call_parser = tool_call_parser  # reads the calls of tool_choice "auto" (tool_parser.py)
         self.reasoning_parser = reasoning_parser  # splits the reasoning from the answer (reasoning.py)
+        # where an output constraint starts when the model thinks first
+        self.end_of_thinking = (
+            self.tokenizer(END, add_special_tokens=False)["input_ids"] if reasoning_parser else None
+        )
 
     def render_chat(
         self,
@@ -139,8 +140,7 @@ class ChatServing(OpenAIServing):
         # A reasoning model thinks first (unless the prompt closed its thinking block): the answer
         # is split, and an output constraint holds from the end of the thinking.
         reasoning = self.reasoning_parser if thinks_first(text) else None
-        thinking = reasoning is not None and structured is not None
-        end_of_thinking = self.tokenizer(END, add_special_tokens=False)["input_ids"] if thinking else None
+        end_of_thinking = self.end_of_thinking if reasoning is not None and structured is not None else None
         submission = self.submission(
             request_id, prompt_ids, body, max_tokens, logprobs, 0, structured, "messages", end_of_thinking
         )

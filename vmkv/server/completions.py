@@ -38,8 +38,6 @@ from vmkv.server.streaming import (
     sse_event,
 )
 
-# The status nginx made the convention for "client closed the request"; nobody is left to read it.
-
 
 class CompletionServing(OpenAIServing):
     async def create(self, body: CompletionRequest, request: Request) -> Response:

@@ -110,6 +110,7 @@ class ChoiceDelta:
         return self.choice.prompt_ids if wanted and first else None
 
 
+# Texts longer than this are tokenized on a worker thread, so the event loop keeps serving.
 INLINE_TOKENIZE_CHARS = 8192
 # Normalization can merge characters (NFC composition), so a text of C characters may hold as
 # few as C / (2 x the longest token); the bound below allows twice that and more.
@@ -294,7 +295,7 @@ class OpenAIServing:
             bad_words_token_ids=self.bad_words_token_ids(body.bad_words or []),
             allowed_token_ids=body.allowed_token_ids,
             structured=structured,
-            structured_after=structured_after if structured is not None else None,
+            structured_after=structured_after,
         )
         try:
             self.engine.check_priority(body.priority)
