@@ -23,6 +23,15 @@ def cut_at_stop(text: str, at: int, stop: str, include_stop: bool) -> str:
     return text[: at + len(stop)] if include_stop else text[:at]
 
 
+def partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could begin one of `tags`: what a stream holds
+    back until the next piece shows whether a tag (a parser's, not a stop string) is starting."""
+    for size in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
+        if any(tag.startswith(text[-size:]) for tag in tags):
+            return size
+    return 0
+
+
 def stop_hold(stops: list[str]) -> int:
     """Characters a stream holds back while running: as many as a stop string could still cover."""
     return max((len(s) for s in stops), default=1) - 1

@@ -31,13 +31,17 @@ class LogprobFormatter:
     def name(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.as_token_ids else self.text(token_id)
 
+    def text_and_name(self, token_id: int) -> tuple[str, str]:
+        """The token's text (completions' text offsets count it) and the name the answer gives it."""
+        text = self.text(token_id)
+        return text, f"token_id:{token_id}" if self.as_token_ids else text
+
     def completion(self, logprobs: list[TokenLogprob], text_start: int) -> CompletionLogprobs:
         """Generated tokens' logprobs; text offsets count characters of the text, whatever the names."""
         result = CompletionLogprobs()
         offset = text_start
         for entry in logprobs:
-            text = self.text(entry.token_id)
-            token = f"token_id:{entry.token_id}" if self.as_token_ids else text
+            text, token = self.text_and_name(entry.token_id)
             result.tokens.append(token)
             result.token_logprobs.append(entry.logprob)
             result.text_offset.append(offset)
@@ -55,8 +59,7 @@ class LogprobFormatter:
         result = CompletionLogprobs()
         offset = 0
         for token_id, entry in zip(prompt_ids, entries, strict=True):
-            text = self.text(token_id)
-            token = f"token_id:{token_id}" if self.as_token_ids else text
+            text, token = self.text_and_name(token_id)
             result.tokens.append(token)
             result.text_offset.append(offset)
             offset += len(text)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vmkv.engine.stop_strings import partial_tag_len
+
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
@@ -50,18 +52,11 @@ class ReasoningStream:
     def delta(self, new: str, finished: bool) -> tuple[str, str]:
         """(new reasoning, new content) for the choice's new text."""
         self.text += new
-        visible = self.text if finished else self.text[: len(self.text) - _tag_prefix(self.text)]
+        visible = (
+            self.text if finished else self.text[: len(self.text) - partial_tag_len(self.text, (START, END))]
+        )
         reasoning, content = split_reasoning(visible, self.parser)
         reasoning, content = reasoning or "", content or ""
         new_reasoning, new_content = reasoning[self.reasoning_sent :], content[self.content_sent :]
         self.reasoning_sent, self.content_sent = len(reasoning), len(content)
         return new_reasoning, new_content
-
-
-def _tag_prefix(text: str) -> int:
-    """How many characters at the end of `text` could begin either tag."""
-    for size in range(min(len(END) - 1, len(text)), 0, -1):
-        tail = text[-size:]
-        if START.startswith(tail) or END.startswith(tail):
-            return size
-    return 0

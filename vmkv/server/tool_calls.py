@@ -25,7 +25,7 @@ from vmkv.server.protocol import (
     ToolCall,
     ToolDefinition,
 )
-from vmkv.server.tool_parser import HermesStream, new_call_id, parse_calls
+from vmkv.server.tool_parser import HermesStream, new_call_id, parse_calls, whole_call_delta
 
 EMPTY_OBJECT = {"type": "object", "properties": {}}
 
@@ -126,17 +126,7 @@ class ForcedCallStream:
         if calls is None:
             return DeltaMessage(content=content) if content else None
         self.called = True
-        return DeltaMessage(
-            tool_calls=[
-                DeltaToolCall(
-                    index=i,
-                    id=call.id,
-                    type="function",
-                    function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
-                )
-                for i, call in enumerate(calls)
-            ]
-        )
+        return DeltaMessage(tool_calls=[whole_call_delta(call, i) for i, call in enumerate(calls)])
 
 
 def call_stream(body: ChatCompletionRequest, parse: bool) -> ForcedCallStream | HermesStream | None:

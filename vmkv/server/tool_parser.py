@@ -14,6 +14,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from vmkv.engine.stop_strings import partial_tag_len
 from vmkv.server.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall
 
 TOOL_CALL_PARSERS = ("hermes",)
@@ -56,7 +57,7 @@ class HermesStream:
         if start != -1:
             end = start
         else:
-            end = len(self.text) if finished else len(self.text) - _tag_prefix(self.text)
+            end = len(self.text) if finished else len(self.text) - partial_tag_len(self.text, (START,))
         content = self.text[self.content_sent : end]
         self.content_sent = max(self.content_sent, end)
         calls: list[DeltaToolCall] = []
@@ -68,16 +69,19 @@ class HermesStream:
                 except ValueError:
                     content += match.group(0)
                     continue
-                function = DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments)
-                calls.append(
-                    DeltaToolCall(index=self.calls_sent, id=call.id, type="function", function=function)
-                )
+                calls.append(whole_call_delta(call, self.calls_sent))
                 self.calls_sent += 1
             self.calls_read = len(matches)
         self.called = self.called or bool(calls)
         if not (content or calls):
             return None
         return DeltaMessage(content=content or None, tool_calls=calls or None)
+
+
+def whole_call_delta(call: ToolCall, index: int) -> DeltaToolCall:
+    """A call sent in one stream delta: its id, type, name and all its arguments."""
+    function = DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments)
+    return DeltaToolCall(index=index, id=call.id, type="function", function=function)
 
 
 def _call(match: re.Match[str]) -> ToolCall:
@@ -88,11 +92,3 @@ def _call(match: re.Match[str]) -> ToolCall:
         raise ValueError(f"not a tool call: {body!r}")
     arguments = json.dumps(item["arguments"], ensure_ascii=False)
     return ToolCall(id=new_call_id(), function=FunctionCall(name=item["name"], arguments=arguments))
-
-
-def _tag_prefix(text: str) -> int:
-    """How many characters at the end of `text` could begin a start tag (held back from a stream)."""
-    for size in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-size:]):
-            return size
-    return 0
