@@ -287,12 +287,13 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None,
-        description='"required" or a named function constrain the answer to tool calls; "auto" is refused.',
+        description='"required" or a named function constrain the answer to tool calls; "auto" needs '
+        "the server's --tool-call-parser.",
     )
     parallel_tool_calls: StrictBool | None = Field(
         default=None, description='false: "required" makes exactly one call.'
     )
-    # known and refused with a 400 when set: this server has no tool-call parser
+    # known and refused with a 400 when set (see docs/server.md)
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
