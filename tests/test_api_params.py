@@ -298,6 +298,31 @@ def test_logprob_token_ids_give_the_listed_tokens_logprobs_in_place_of_the_top_o
         assert caught.value.body["param"] == "logprob_token_ids"
 
 
+def test_beam_search_answers_the_engines_beams_whole_and_streamed(
+    client: openai.OpenAI, tiny_model_dir: Path
+) -> None:
+    """The engine process's beams reach the client as the in-process engine finds them: n
+    choices best first, their cumulative logprobs, the same text whole and streamed."""
+    extra = {"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True}
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=3, extra_body=extra)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, n=3, stream=True, extra_body=extra
+    )
+    streamed = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_mode="vattention", max_model_len=64)
+    params = SamplingParams(n=3, use_beam_search=True, length_penalty=0.5, max_tokens=8)
+    (expected,) = llm.generate([PROMPT], params)
+    llm.close()
+    choices = sorted(whole.choices, key=lambda c: c.index)
+    assert [c.model_extra["token_ids"] for c in choices] == [o.token_ids for o in expected.outputs]
+    assert [c.text for c in choices] == [o.text for o in expected.outputs]
+    assert streamed == {c.index: c.text for c in choices}
+    assert len({tuple(o.token_ids) for o in expected.outputs}) == 3
+
+
 def test_allowed_token_ids_are_the_only_tokens_sampled(client: openai.OpenAI, served: Served) -> None:
     allowed = [single_token(served, WORD), single_token(served, " is")]
     for temperature in (0.0, 1.0):
@@ -925,7 +950,9 @@ def test_prompt_logprobs_come_in_vllms_shape(
         ({"guided_json": ""}, "guided_json"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
         ({"structured_outputs": {"grammar": ""}}, "structured_outputs"),
-        ({"use_beam_search": True}, "use_beam_search"),
+        ({"use_beam_search": True, "top_p": 0.5}, "top_p"),
+        ({"use_beam_search": True, "stop": ["x"]}, "stop"),
+        ({"use_beam_search": True, "bad_words": ["x"]}, "bad_words"),
         ({"length_penalty": 0.5}, "length_penalty"),
         ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ({"logprob_token_ids": [5]}, "logprob_token_ids"),

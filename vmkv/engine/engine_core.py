@@ -172,6 +172,7 @@ class EngineCore:
                     None if sample.logprobs is None else sample.logprobs[start:],
                     sample.finish_reason,
                     sample.stop_reason if isinstance(sample.stop_reason, int) else None,
+                    sample.cumulative_logprob,
                 )
             )
         prompt_logprobs = None

@@ -56,6 +56,7 @@ class SampleUpdate(msgspec.Struct, array_like=True):
     new_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     stop_reason: int | None  # a stop token id; stop strings are found by the API process
+    cumulative_logprob: float | None  # with logprobs, or a beam search's answer
 
 
 class RequestUpdate(msgspec.Struct, array_like=True):

@@ -10,20 +10,21 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
 import torch
 
 from vmkv import faults
+from vmkv.engine.beam_search import BeamSearch, Candidate, Hypothesis
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.kv_factory import build_kv_cache
 from vmkv.engine.model_runner import ModelRunner
-from vmkv.engine.outputs import RequestMetrics, RequestOutput
+from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.sampler import Sampler, SampleRow
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import ScheduledSeq, Scheduler
@@ -172,6 +173,8 @@ class LLMEngine:
             cache_salt=cache_salt,
             priority=priority,
         )
+        if params.use_beam_search:
+            group.beam = BeamSearch(params.n, self._ends_hypothesis(params))
         self._next_arrival += 1
         self._new_seq(group, list(prompt_ids), index=0)
         self._groups[request_id] = group
@@ -257,16 +260,21 @@ class LLMEngine:
         self.peak_running_seqs = max(self.peak_running_seqs, self.scheduler.num_running_seqs)
 
         row_seqs, row_index = self._expand_forks(sampling)
+        if row_index != list(range(len(sampling))):
+            logits = logits[torch.tensor(row_index, device=logits.device)]
+        self.generation_tokens += len(row_seqs)
         groups = [self._group_of[s.seq_id] for s in row_seqs]
+        if any(g.beam is not None for g in groups):  # beams pick their tokens themselves
+            beams = [i for i, g in enumerate(groups) if g.beam is not None]
+            outputs += self._search_beams(logits[beams], [row_seqs[i] for i in beams])
+            rest = [i for i, g in enumerate(groups) if g.beam is None]
+            logits, row_seqs, groups = logits[rest], [row_seqs[i] for i in rest], [groups[i] for i in rest]
         rows = [
             SampleRow(g.params, s.generator, s.token_ids, s.prompt_len, s.grammar if s.constrained else None)
             for s, g in zip(row_seqs, groups, strict=True)
         ]
-        if row_index != list(range(len(sampling))):
-            logits = logits[torch.tensor(row_index, device=logits.device)]
-        token_ids, logprobs_rows, failed = self._sample(logits, rows, groups)
+        token_ids, logprobs_rows, failed = self._sample(logits, rows, groups) if rows else ([], [], {})
         outputs += self._fail(failed.values(), "sampling failed")
-        self.generation_tokens += len(row_seqs)
         now = time.monotonic()
         for seq, group, token, logprobs in zip(row_seqs, groups, token_ids, logprobs_rows, strict=True):
             if group.finished:  # its sampling failed
@@ -411,10 +419,11 @@ class LLMEngine:
             index=index,
             token_ids=token_ids,
             prompt_len=len(group.prompt_token_ids),
+            # beams fork and die every step: their text is decoded once, from the answer
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, group.prompt_token_ids, group.params.skip_special_tokens
             )
-            if self.detokenize
+            if self.detokenize and group.beam is None
             else None,
             # each sample draws from its own stream, so its tokens do not depend on the batch
             generator=None
@@ -436,7 +445,7 @@ class LLMEngine:
             row_seqs.append(seq)
             row_index.append(i)
             group = self._group_of[seq.seq_id]
-            if len(group.seqs) < group.params.n and seq.num_output == 0:
+            if group.beam is None and len(group.seqs) < group.params.n and seq.num_output == 0:
                 for index in range(1, group.params.n):
                     child = self._new_seq(group, list(seq.token_ids), index)
                     child.num_computed = seq.num_computed
@@ -446,6 +455,98 @@ class LLMEngine:
                     row_seqs.append(child)
                     row_index.append(i)
         return row_seqs, row_index
+
+    def _ends_hypothesis(self, params: SamplingParams) -> Callable[[int], bool]:
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.info.eos_token_ids))
+        return ends.__contains__
+
+    def _search_beams(self, logits: torch.Tensor, beams: list[Sequence]) -> list[RequestOutput]:
+        """One step of each beam-searching request among `beams` (every live beam of each, as
+        the scheduler plans them in lockstep); returns the outputs of the searches that ended."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        by_group: dict[int, tuple[SequenceGroup, list[int]]] = {}
+        for i, seq in enumerate(beams):
+            group = self._group_of[seq.seq_id]
+            by_group.setdefault(id(group), (group, []))[1].append(i)
+        outputs, now = [], time.monotonic()
+        for group, rows in by_group.values():
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            if self._advance_beams(group, [beams[i] for i in rows], logprobs[rows]):
+                outputs.append(self._retire(group))
+        return outputs
+
+    def _advance_beams(self, group: SequenceGroup, beams: list[Sequence], logprobs: torch.Tensor) -> bool:
+        """Extend, fork and drop a request's beams by their candidates; True when its search
+        ended (max_tokens reached, or every candidate finished), with the answer written."""
+        search, params = group.beam, group.params
+        if len(beams) != len(group.live_seqs):
+            raise RuntimeError(f"request {group.request_id}: beams stepped out of lockstep")
+        k = params.logprobs or 0
+        proposals = search.propose(beams, logprobs, k)
+
+        def extended(beam: Sequence, candidate: Candidate) -> tuple[list[int], list[dict[int, float]] | None]:
+            logprobs = None if beam.logprobs is None else beam.logprobs + [proposals.logprobs(candidate, k)]
+            return beam.token_ids + [candidate.token], logprobs
+
+        for candidate in proposals.ended:
+            beam = beams[candidate.beam]
+            tokens, logprobs_list = extended(beam, candidate)
+            eos = not params.ignore_eos and candidate.token in self.info.eos_token_ids
+            search.finished.append(
+                Hypothesis(
+                    tokens[beam.prompt_len :],
+                    candidate.cumulative_logprob,
+                    logprobs_list,
+                    FinishReason.STOP,
+                    None if eos else candidate.token,
+                )
+            )
+        generated = beams[0].num_output + 1
+        continuations: dict[int, list[Candidate]] = {}
+        for candidate in proposals.carried:
+            continuations.setdefault(candidate.beam, []).append(candidate)
+        dropped = [beam for i, beam in enumerate(beams) if i not in continuations]
+        self.scheduler.drop(group, dropped)
+        for beam in dropped:
+            del self._group_of[beam.seq_id]
+        for i, (first, *others) in continuations.items():
+            beam = beams[i]
+            for candidate in others:  # a fork: it shares the beam's KV so far
+                tokens, logprobs_list = extended(beam, candidate)
+                child = self._new_seq(group, tokens, index=0)
+                child.num_computed, child.fork_parent = beam.num_computed, beam
+                child.cumulative_logprob, child.logprobs = candidate.cumulative_logprob, logprobs_list
+            beam.token_ids, beam.logprobs = extended(beam, first)
+            beam.cumulative_logprob = first.cumulative_logprob
+        for index, beam in enumerate(group.seqs):
+            beam.index = index
+        if proposals.carried and generated < params.max_tokens:
+            return False
+        best = search.best(group.seqs, len(group.prompt_token_ids), params.length_penalty)
+        self.scheduler.finish(group, FinishReason.LENGTH)
+        group.beam_results = [
+            CompletionOutput(
+                index=index,
+                text=self._decode(group, h.token_ids),
+                token_ids=h.token_ids,
+                finish_reason=str(h.finish_reason),
+                stop_reason=h.stop_reason,
+                cumulative_logprob=h.cumulative_logprob,
+                logprobs=h.logprobs,
+            )
+            for index, h in enumerate(best)
+        ]
+        return True
+
+    def _decode(self, group: SequenceGroup, token_ids: list[int]) -> str:
+        """A whole output's text, as incremental detokenizing would have built it ("" when the
+        caller detokenizes)."""
+        if not self.detokenize:
+            return ""
+        prompt = group.prompt_token_ids
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, group.params.skip_special_tokens)
+        return detokenizer.step(prompt + token_ids, final=True)
 
     def _append_token(
         self, seq: Sequence, group: SequenceGroup, token: int, logprobs: dict[int, float] | None

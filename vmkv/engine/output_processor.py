@@ -28,7 +28,7 @@ class SampleState:
     prompt_len: int
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # the engine's figure
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -39,7 +39,7 @@ class SampleState:
             token_ids=self.token_ids[self.prompt_len :],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-            cumulative_logprob=None if self.logprobs is None else self.cumulative_logprob,
+            cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else list(self.logprobs),
         )
 
@@ -109,9 +109,7 @@ class RequestState:
         sample.token_ids += update.new_token_ids
         if update.new_logprobs is not None and sample.logprobs is not None:
             sample.logprobs += update.new_logprobs
-            sample.cumulative_logprob += sum(
-                top[token] for token, top in zip(update.new_token_ids, update.new_logprobs, strict=True)
-            )
+        sample.cumulative_logprob = update.cumulative_logprob
         sample.finish_reason, sample.stop_reason = update.finish_reason, update.stop_reason
         delta = sample.detokenizer.step(sample.token_ids, final=update.finish_reason is not None)
         sample.text += delta

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal
+
+from vmkv.engine.errors import RequestRejected
 
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
@@ -60,6 +62,12 @@ class SamplingParams:
     when the constraint is complete. With structured_after (a reasoning model's end-of-thinking
     token ids) the constraint holds only from the token after the output first ends with them:
     the thinking before is free.
+
+    use_beam_search makes the n samples beams (vmkv.engine.beam_search): the n most likely
+    continuations by the model's log-probabilities, ranked at the end by cumulative
+    log-probability / length ** length_penalty. Temperature and seed do not change it; the
+    controls that would (top_p, top_k, min_p, penalties, biases, bans, structured output, stop
+    strings) are refused with it.
     """
 
     n: int = 1
@@ -86,6 +94,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     structured: StructuredOutput | None = None
     structured_after: list[int] | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -142,6 +152,26 @@ class SamplingParams:
         self.structured_after = _token_ids("structured_after", self.structured_after)
         if self.structured_after is not None and self.structured is None:
             raise ValueError("structured_after needs structured set (the constraint it starts)")
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
+        if not _finite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.length_penalty != 1.0:
+            raise ValueError("length_penalty applies to beam search only (set use_beam_search)")
+
+    def _check_beam_search(self) -> None:
+        """Refuse the controls beam search would ignore: it keeps the most likely continuations."""
+        for f in fields(self):
+            if f.name in BEAM_SEARCH_IGNORES:
+                default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+                if getattr(self, f.name) != default:  # a ValueError naming the field to change
+                    raise RequestRejected(
+                        f"{f.name} does not apply to beam search, which keeps the most likely "
+                        "continuations by the model's log-probabilities",
+                        f.name,
+                    )
 
     @property
     def greedy(self) -> bool:
@@ -165,6 +195,26 @@ class SamplingParams:
             or self.allowed_token_ids is not None
             or self.structured is not None
         )
+
+
+# sampling controls beam search has no use for: set with use_beam_search, they are refused
+BEAM_SEARCH_IGNORES = frozenset(
+    {
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "logit_bias",
+        "bad_words_token_ids",
+        "allowed_token_ids",
+        "structured",
+        "stop",
+        "logprob_token_ids",
+    }
+)
 
 
 def _finite(value: object) -> bool:

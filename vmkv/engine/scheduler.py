@@ -108,6 +108,14 @@ class Scheduler:
             self.running.remove(group)
             group.status = RequestStatus.FINISHED
 
+    def drop(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
+        """Free samples the request no longer needs (beams no continuation extends) and take
+        them out of the group; none is a pending fork's source (a beam it extends survives)."""
+        for seq in seqs:
+            if seq.num_allocated:
+                self.cache.free(seq.seq_id)
+            group.seqs.remove(seq)
+
     # ---------------------------------------------------------------- step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -176,12 +184,16 @@ class Scheduler:
         A decoding group is planned whole or not at all, so its samples stay in lockstep.
         """
         plan = []
+        # beams recomputing after a preemption leave their last token for one step they all
+        # share: a beam search step needs every beam's next-token logits at once
+        lockstep = group.beam is not None and group.is_prefilling and len(group.live_seqs) > 1
         for seq in group.live_seqs:
-            num_new = min(seq.num_uncomputed, budget)
-            if num_new == 0:
+            if budget == 0:
                 break
-            plan.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
+            num_new = min(seq.num_uncomputed - lockstep, budget)
+            if num_new:
+                plan.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
         if not group.is_prefilling and len(plan) < len(group.live_seqs):
             return []
         return plan

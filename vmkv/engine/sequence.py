@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from vmkv.engine.outputs import CompletionOutput, PromptLogprob, RequestMetrics,
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.stop_strings import stop_hold, visible_text
 from vmkv.engine.structured_output import GrammarState
+
+if TYPE_CHECKING:
+    from vmkv.engine.beam_search import BeamSearch
 
 
 class RequestStatus(enum.Enum):
@@ -98,6 +102,9 @@ class SequenceGroup:
     alone_failures: int = 0  # steps in a row it got no KV memory with nothing else holding any
     # filled as prefill chunks compute (kept across a recompute preemption); None: not asked for
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    beam: BeamSearch | None = None  # with use_beam_search: the seqs are its live beams
+    # a finished beam search's answer (the engine writes it; the beams are gone by then)
+    beam_results: list[CompletionOutput] | None = None
     stop_hold: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -127,19 +134,18 @@ class SequenceGroup:
         return self.status is RequestStatus.FINISHED
 
     def output(self) -> RequestOutput:
-        outputs = []
-        for s in self.seqs:
-            outputs.append(
-                CompletionOutput(
-                    index=s.index,
-                    text=visible_text(s.text, s.finished, self.stop_hold),
-                    token_ids=s.token_ids[s.prompt_len :],
-                    finish_reason=None if s.finish_reason is None else str(s.finish_reason),
-                    stop_reason=s.stop_reason,
-                    cumulative_logprob=None if s.logprobs is None else s.cumulative_logprob,
-                    logprobs=None if s.logprobs is None else list(s.logprobs),
-                )
+        outputs = self.beam_results or [
+            CompletionOutput(
+                index=s.index,
+                text=visible_text(s.text, s.finished, self.stop_hold),
+                token_ids=s.token_ids[s.prompt_len :],
+                finish_reason=None if s.finish_reason is None else str(s.finish_reason),
+                stop_reason=s.stop_reason,
+                cumulative_logprob=None if s.logprobs is None else s.cumulative_logprob,
+                logprobs=None if s.logprobs is None else list(s.logprobs),
             )
+            for s in self.seqs
+        ]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

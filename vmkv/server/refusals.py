@@ -20,8 +20,11 @@ def check_supported(refusals: list[Refusal]) -> None:
 def sampling_refusals(body: SamplingFields) -> list[Refusal]:
     return [
         ("logits_processors", bool(body.logits_processors), "custom logits processors cannot be loaded"),
-        ("use_beam_search", body.use_beam_search, "beam search is not implemented"),
-        ("length_penalty", body.length_penalty != 1.0, "it applies to beam search, which is not implemented"),
+        (
+            "length_penalty",
+            body.length_penalty != 1.0 and not body.use_beam_search,
+            "it applies to beam search (use_beam_search)",
+        ),
         ("spaces_between_special_tokens", not body.spaces_between_special_tokens, "not implemented"),
         ("prompt_embeds", body.prompt_embeds is not None, "prompts are text or token ids"),
     ]

@@ -271,7 +271,29 @@ class OpenAIServing:
                 f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
             )
         top_k = min(body.top_k, self.engine.vocab_size) if body.top_k is not None and body.top_k > 0 else 0
-        params = SamplingParams(
+        try:
+            params = self._params(body, max_tokens, logprobs, top_k, structured, structured_after)
+            self.engine.check_priority(body.priority)
+            self.engine.validate(prompt_ids, params)
+        except RequestRejected as error:
+            names = {
+                "prompt": prompt_param,
+                "bad_words_token_ids": "bad_words",
+                "structured": "response_format",
+            }
+            raise bad_request(str(error), names.get(error.param, error.param)) from error
+        return Submission(request_id, prompt_ids, params, choice_offset, body.cache_salt, body.priority)
+
+    def _params(
+        self,
+        body: SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        top_k: int,
+        structured: StructuredOutput | None,
+        structured_after: list[int] | None,
+    ) -> SamplingParams:
+        return SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
@@ -296,13 +318,9 @@ class OpenAIServing:
             allowed_token_ids=body.allowed_token_ids,
             structured=structured,
             structured_after=structured_after,
+            use_beam_search=body.use_beam_search,
+            length_penalty=body.length_penalty,
         )
-        try:
-            self.engine.check_priority(body.priority)
-            self.engine.validate(prompt_ids, params)
-        except RequestRejected as error:
-            raise bad_request(str(error), prompt_param if error.param == "prompt" else error.param) from error
-        return Submission(request_id, prompt_ids, params, choice_offset, body.cache_salt, body.priority)
 
     # ------------------------------------------------------------------------ running requests
     async def choice_deltas(
