@@ -69,7 +69,17 @@ class BeamSearch:
 
     width: int
     ends: Callable[[int], bool]  # whether a token finishes a hypothesis
+    prompt_len: int
+    length_penalty: float
+    # the width best finished hypotheses: a finished one's score never changes, so one with
+    # width better ones can never be in the answer
     finished: list[Hypothesis] = field(default_factory=list)
+
+    def score(self, hypothesis: Hypothesis) -> float:
+        return hypothesis.score(self.prompt_len, self.length_penalty)
+
+    def finish(self, hypotheses: list[Hypothesis]) -> None:
+        self.finished = sorted(self.finished + hypotheses, key=self.score, reverse=True)[: self.width]
 
     def propose(self, beams: list[Sequence], logprobs: torch.Tensor, num_logprobs: int) -> Proposals:
         """Each beam's 2 x width most likely tokens as candidates (`logprobs`: one
@@ -85,12 +95,11 @@ class BeamSearch:
         carried.sort(key=lambda c: -c.cumulative_logprob)  # stable: ties keep beam, then rank order
         return Proposals(carried[: self.width], ended, top)
 
-    def best(self, beams: list[Sequence], prompt_len: int, length_penalty: float) -> list[Hypothesis]:
-        """The answer once the search is over: the width best of finished and live hypotheses."""
+    def best(self, beams: list[Sequence]) -> list[Hypothesis]:
+        """The answer once the search is over: the width best of finished and live hypotheses
+        (a stable sort: on equal scores the finished ones first, then the live in beam order)."""
         live = [
             Hypothesis(s.token_ids[s.prompt_len :], s.cumulative_logprob, s.logprobs, FinishReason.LENGTH)
             for s in beams
         ]
-        pool = self.finished + live
-        pool.sort(key=lambda h: -h.score(prompt_len, length_penalty))
-        return pool[: self.width]
+        return sorted(self.finished + live, key=self.score, reverse=True)[: self.width]

@@ -174,7 +174,8 @@ class LLMEngine:
             priority=priority,
         )
         if params.use_beam_search:
-            group.beam = BeamSearch(params.n, self._ends_hypothesis(params))
+            ends = self._ends_hypothesis(params)
+            group.beam = BeamSearch(params.n, ends, len(prompt_ids), params.length_penalty)
         self._next_arrival += 1
         self._new_seq(group, list(prompt_ids), index=0)
         self._groups[request_id] = group
@@ -489,19 +490,21 @@ class LLMEngine:
             logprobs = None if beam.logprobs is None else beam.logprobs + [proposals.logprobs(candidate, k)]
             return beam.token_ids + [candidate.token], logprobs
 
+        ended = []
         for candidate in proposals.ended:
             beam = beams[candidate.beam]
             tokens, logprobs_list = extended(beam, candidate)
             eos = not params.ignore_eos and candidate.token in self.info.eos_token_ids
-            search.finished.append(
-                Hypothesis(
-                    tokens[beam.prompt_len :],
-                    candidate.cumulative_logprob,
-                    logprobs_list,
-                    FinishReason.STOP,
-                    None if eos else candidate.token,
-                )
+            stop_reason = None if eos else candidate.token
+            hypothesis = Hypothesis(
+                tokens[beam.prompt_len :],
+                candidate.cumulative_logprob,
+                logprobs_list,
+                FinishReason.STOP,
+                stop_reason,
             )
+            ended.append(hypothesis)
+        search.finish(ended)
         generated = beams[0].num_output + 1
         continuations: dict[int, list[Candidate]] = {}
         for candidate in proposals.carried:
@@ -517,13 +520,15 @@ class LLMEngine:
                 child = self._new_seq(group, tokens, index=0)
                 child.num_computed, child.fork_parent = beam.num_computed, beam
                 child.cumulative_logprob, child.logprobs = candidate.cumulative_logprob, logprobs_list
-            beam.token_ids, beam.logprobs = extended(beam, first)
+            beam.token_ids.append(first.token)  # after its forks copied the tokens so far
+            if beam.logprobs is not None:
+                beam.logprobs.append(proposals.logprobs(first, k))
             beam.cumulative_logprob = first.cumulative_logprob
         for index, beam in enumerate(group.seqs):
             beam.index = index
         if proposals.carried and generated < params.max_tokens:
             return False
-        best = search.best(group.seqs, len(group.prompt_token_ids), params.length_penalty)
+        best = search.best(group.seqs)
         self.scheduler.finish(group, FinishReason.LENGTH)
         group.beam_results = [
             CompletionOutput(
