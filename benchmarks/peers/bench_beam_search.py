@@ -144,29 +144,37 @@ def search(client: httpx.Client, args: argparse.Namespace, prompt: list[int]) ->
 
 
 def markdown(args: argparse.Namespace, runs: list[dict]) -> str:
+    """Medians per target, and its answers against the first target's of the same dtype and
+    round: equal (every beam, in order), or the same beams in another order (near-equal scores)."""
     keys = list(dict.fromkeys((r["target"], r["dtype"]) for r in runs))
-    first_of_dtype = {}
+    first_of_dtype: dict[str, tuple[str, str]] = {}
     for key in keys:
         first_of_dtype.setdefault(key[1], key)
     lines = [
         f"Beam search, width {args.width}, {args.max_tokens} tokens (ignore_eos), {args.num_prompts} chat "
         f"prompts; medians over {args.rounds} rounds",
         "",
-        "| target | dtype | one request alone (s) | all at once (s) | answers equal to the first's |",
-        "|---|---|---|---|---|",
+        "| target | dtype | one request alone (s) | all at once (s) | answers equal to the first's "
+        "| same beams, any order |",
+        "|---|---|---|---|---|---|",
     ]
     for key in keys:
-        mine = [r for r in runs if (r["target"], r["dtype"]) == key]
-        base = [r for r in runs if (r["target"], r["dtype"]) == first_of_dtype[key[1]]]
-        same = sum(
-            a == b
-            for r, s in zip(mine, base, strict=False)
-            for a, b in zip(r["answers"], s["answers"], strict=True)
+        mine = {r["round"]: r for r in runs if (r["target"], r["dtype"]) == key}
+        base = {r["round"]: r for r in runs if (r["target"], r["dtype"]) == first_of_dtype[key[1]]}
+        pairs = [
+            (a, b)
+            for round_index, run in mine.items()
+            if round_index in base
+            for a, b in zip(run["answers"], base[round_index]["answers"], strict=True)
+        ]
+        equal = sum(a == b for a, b in pairs)
+        same_set = sum(sorted(a) == sorted(b) for a, b in pairs)
+        alone = statistics.median(t for r in mine.values() for t in r["alone_s"])
+        together = statistics.median(r["together_s"] for r in mine.values())
+        lines.append(
+            f"| {key[0]} | {key[1]} | {alone:.2f} | {together:.2f} | {equal}/{len(pairs)} "
+            f"| {same_set}/{len(pairs)} |"
         )
-        total = sum(len(r["answers"]) for r in mine[: len(base)])
-        alone = statistics.median(t for r in mine for t in r["alone_s"])
-        together = statistics.median(r["together_s"] for r in mine)
-        lines.append(f"| {key[0]} | {key[1]} | {alone:.2f} | {together:.2f} | {same}/{total} |")
     return "\n".join(lines) + "\n"
 
 
