@@ -1125,3 +1125,138 @@ def test_metrics_count_successes_by_finished_reason(client: openai.OpenAI, serve
     assert after["length"] - before["length"] == 2
     assert after["stop"] - before["stop"] == 1
     assert after["abort"] == before["abort"] and after["error"] == before["error"]
+
+
+# ------------------------------------------------------------------------------ responses API
+INSTRUCTIONS = "Answer briefly, in one sentence, and do not repeat the question back to the user."
+QUESTION = "Which layout keeps each sequence's keys and values contiguous in virtual memory?"
+
+
+def as_chat(**extra: object) -> dict:
+    return dict(
+        model=MODEL,
+        messages=[{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}],
+        temperature=0.0,
+        **extra,
+    )
+
+
+def test_a_response_answers_as_the_same_chat_does_whole_and_streamed(client: openai.OpenAI) -> None:
+    """instructions are the system message, max_output_tokens the budget; a cut answer is
+    incomplete; the stream's events come in the API's order with their sequence numbers and
+    build the same text; usage counts the cached prompt tokens of a request sent again."""
+    chat = client.chat.completions.create(**as_chat(max_tokens=8))
+    request = dict(
+        model=MODEL, instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=8, temperature=0.0
+    )
+    first, again = client.responses.create(**request), client.responses.create(**request)
+    assert first.output_text == again.output_text == chat.choices[0].message.content
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+    (message,) = first.output
+    assert message.type == "message" and message.status == "incomplete" and message.role == "assistant"
+    assert first.usage.input_tokens == chat.usage.prompt_tokens and first.usage.output_tokens == 8
+    assert first.usage.total_tokens == first.usage.input_tokens + 8
+    assert first.usage.output_tokens_details.reasoning_tokens == 0
+    cached = again.usage.input_tokens_details.cached_tokens
+    assert 16 <= cached < again.usage.input_tokens  # whole blocks
+    # chat and completions report them the same way
+    assert (
+        client.chat.completions.create(**as_chat(max_tokens=1)).usage.prompt_tokens_details.cached_tokens
+        == cached
+    )
+
+    events = list(client.responses.create(**request, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-4].text == events[-1].response.output_text == first.output_text
+    assert events[0].response.status == "in_progress" and events[-1].response.usage.output_tokens == 8
+
+
+def test_a_response_takes_a_conversation_a_schema_and_returns_logprobs(client: openai.OpenAI) -> None:
+    conversation = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Name a layout."}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Paged."}]},
+        {"role": "user", "content": "Another one?"},
+    ]
+    rendered = [
+        {"role": m["role"], "content": "".join(p["text"] for p in m["content"])} for m in conversation[:2]
+    ]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[*rendered, conversation[2]], max_tokens=6, temperature=0.0
+    )
+    response = client.responses.create(
+        model=MODEL,
+        input=conversation,
+        max_output_tokens=6,
+        temperature=0.0,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    assert response.output_text == chat.choices[0].message.content
+    logprobs = response.output[0].content[0].logprobs
+    assert len(logprobs) == 6 and all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    assert "".join(lp.token for lp in logprobs) == response.output_text
+
+    shaped = client.responses.create(
+        model=MODEL,
+        input="Describe a person.",
+        max_output_tokens=120,
+        temperature=0.0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+    )
+    assert jsonschema_rs.validator_for(PERSON).is_valid(json.loads(shaped.output_text))
+    assert shaped.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"max_output_tokens": 10_000}, "max_output_tokens"),
+        ({"input": "x" * 100_000}, "input"),
+        ({"text": {"format": {"type": "json_schema", "name": "f", "schema": {"type": "nonsense"}}}}, "text"),
+    ],
+)
+def test_response_fields_not_honoured_are_400s(
+    client: openai.OpenAI, served: Served, extra: dict, param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**{"model": MODEL, "input": "hi"} | extra)
+    assert caught.value.body["param"] == param, caught.value.body
+    assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+def test_a_reasoning_parser_puts_the_thinking_in_a_reasoning_item(served: Served) -> None:
+    """deepseek_r1 over the random model, which never closes its thinking: the answer is all
+    reasoning (cut short), whole and streamed, and the message is empty."""
+    with LiveServer(build_app(served.engine, MODEL, reasoning_parser="deepseek_r1")) as server:
+        reasoner = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        request = dict(model=MODEL, input=QUESTION, max_output_tokens=8, temperature=0.0)
+        whole = reasoner.responses.create(**request)
+        events = list(reasoner.responses.create(**request, stream=True))
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text
+    assert message.type == "message" and whole.output_text == ""
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 8
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == reasoning.content[0].text
+    assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]

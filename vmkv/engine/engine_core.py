@@ -182,7 +182,12 @@ class EngineCore:
         if out.finished:
             self.prompt_logprobs_sent.discard(out.request_id)
         return RequestUpdate(
-            out.request_id, samples, out.finished, error=out.error, prompt_logprobs=prompt_logprobs
+            out.request_id,
+            samples,
+            out.finished,
+            error=out.error,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=out.num_cached_tokens,
         )
 
     def close(self) -> None:

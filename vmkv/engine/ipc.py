@@ -66,6 +66,7 @@ class RequestUpdate(msgspec.Struct, array_like=True):
     error: str | None = None  # the engine failed the request (finish_reason "error")
     rejected: str | None = None  # the engine refused it at admission: nothing ran
     prompt_logprobs: list[PromptLogprob | None] | None = None  # sent once, when complete
+    num_cached_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

@@ -58,6 +58,7 @@ class RequestState:
     finished: bool = False
     error: str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    num_cached_tokens: int = 0
 
     def apply(self, update: RequestUpdate) -> list[int]:
         """Take in one engine update; returns the indices of samples that met a stop string now."""
@@ -70,6 +71,7 @@ class RequestState:
             self.error = update.error
         if update.prompt_logprobs is not None:
             self.prompt_logprobs = update.prompt_logprobs
+        self.num_cached_tokens = update.num_cached_tokens
         if self.metrics.first_token_time is None and any(u.new_token_ids for u in update.samples):
             self.metrics.first_token_time = time.monotonic()
         done = len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples.values())
@@ -89,6 +91,7 @@ class RequestState:
             metrics=self.metrics,
             error=self.error,
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def _new_sample(self, index: int) -> SampleState:

@@ -54,3 +54,4 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs, once the prompt is computed: one entry per prompt
     # token, None for the first (nothing predicts it)
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache already held (not computed)

@@ -317,6 +317,8 @@ class Scheduler:
                 self.cache.free(seq.seq_id)
                 seq.reset_cache_state()
             return False
+        if group.status is RequestStatus.WAITING:  # the prompt's tokens the prefix cache held
+            group.num_cached_tokens = admitted[0].num_computed
         return True
 
     def _start(self, group: SequenceGroup) -> None:

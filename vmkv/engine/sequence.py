@@ -100,6 +100,7 @@ class SequenceGroup:
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None
     alone_failures: int = 0  # steps in a row it got no KV memory with nothing else holding any
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     # filled as prefill chunks compute (kept across a recompute preemption); None: not asked for
     prompt_logprobs: list[PromptLogprob | None] | None = None
     beam: BeamSearch | None = None  # with use_beam_search: the seqs are its live beams
@@ -155,4 +156,5 @@ class SequenceGroup:
             metrics=self.metrics,
             error=self.error,
             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs_done else None,
+            num_cached_tokens=self.num_cached_tokens,
         )

@@ -32,6 +32,8 @@ from vmkv.server.protocol import (
     VersionResponse,
 )
 from vmkv.server.reasoning import REASONING_PARSERS
+from vmkv.server.responses import ResponsesServing
+from vmkv.server.responses_protocol import ResponseObject, ResponsesRequest
 from vmkv.server.tool_calls import template_tools
 from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
@@ -77,6 +79,7 @@ def build_app(
     serving_metrics, limits = ServingMetrics(served_model_name), limits or RequestLimits()
     completions = CompletionServing(engine, served_model_name, serving_metrics, limits)
     chat = ChatServing(engine, served_model_name, serving_metrics, limits, tool_call_parser, reasoning_parser)
+    responses = ResponsesServing(chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -106,6 +109,10 @@ def build_app(
     @api.post("/v1/chat/completions", response_model=None, responses=stream_or_json(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
+
+    @api.post("/v1/responses", response_model=None, responses=stream_or_json(ResponseObject))
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.create(body, request)
 
     @api.get("/v1/models")
     async def list_models() -> ModelList:

@@ -7,6 +7,7 @@ import inspect
 import json
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -60,6 +61,15 @@ from vmkv.server.tool_calls import (
 CHAT_TEMPLATE_PARAMETERS = (
     frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
 ) | {"messages"}
+
+
+@dataclass
+class ChatRun:
+    """A chat request made ready for the engine, and how its answer is read."""
+
+    request_id: str
+    submissions: list[Submission]
+    reasoning: str | None  # the reasoning parser, when the model thinks first
 
 
 class ChatServing(OpenAIServing):
@@ -121,33 +131,9 @@ class ChatServing(OpenAIServing):
             raise bad_request(f"the chat template refused these messages: {error}", "messages") from error
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
-        check_supported(chat_refusals(body, self.tool_call_parser is not None) + sampling_refusals(body))
-        self.check_alive()
-        self.check_limits(1, body)
-        structured = await self.structured_output(body, [("tool_choice", forced_tool(body))])
-        text = self.render_chat(
-            body.messages,
-            body.add_generation_prompt,
-            body.continue_final_message,
-            body.chat_template_kwargs,
-            template_tools(body.tools),
-        )
-        prompt_ids = self.truncated(await self.encode(text, add_special_tokens=False, param="messages"), body)
-        max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        request_id = random_id("chatcmpl")
-        # A reasoning model thinks first (unless the prompt closed its thinking block): the answer
-        # is split, and an output constraint holds from the end of the thinking.
-        reasoning = self.reasoning_parser if thinks_first(text) else None
-        end_of_thinking = self.end_of_thinking if reasoning is not None and structured is not None else None
-        submission = self.submission(
-            request_id, prompt_ids, body, max_tokens, logprobs, 0, structured, "messages", end_of_thinking
-        )
-        last = body.messages[-1]
-        if body.echo and last.role == "assistant":  # vLLM's chat echo: the message being continued
-            submission.echo = last.text
-        submissions = [submission]
+        run = await self.prepare(body)
+        request_id, submissions, reasoning = run.request_id, run.submissions, run.reasoning
+        prompt_ids = submissions[0].prompt_ids
         logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
         timer = self.metrics.timer()
         if body.stream:
@@ -166,6 +152,36 @@ class ChatServing(OpenAIServing):
             prompt_token_ids=prompt_ids if body.return_token_ids else None,
         )
         return JSONResponse(response.model_dump())
+
+    async def prepare(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
+        """Check, render and tokenize a chat request into its engine request, or raise the 4xx."""
+        self.check_model(body.model)
+        check_supported(chat_refusals(body, self.tool_call_parser is not None) + sampling_refusals(body))
+        self.check_alive()
+        self.check_limits(1, body)
+        structured = await self.structured_output(body, [("tool_choice", forced_tool(body))])
+        text = self.render_chat(
+            body.messages,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template_kwargs,
+            template_tools(body.tools),
+        )
+        prompt_ids = self.truncated(await self.encode(text, add_special_tokens=False, param="messages"), body)
+        max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        request_id = random_id(id_prefix)
+        # A reasoning model thinks first (unless the prompt closed its thinking block): the answer
+        # is split, and an output constraint holds from the end of the thinking.
+        reasoning = self.reasoning_parser if thinks_first(text) else None
+        end_of_thinking = self.end_of_thinking if reasoning is not None and structured is not None else None
+        submission = self.submission(
+            request_id, prompt_ids, body, max_tokens, logprobs, 0, structured, "messages", end_of_thinking
+        )
+        last = body.messages[-1]
+        if body.echo and last.role == "assistant":  # vLLM's chat echo: the message being continued
+            submission.echo = last.text
+        return ChatRun(request_id, [submission], reasoning)
 
     def parses_calls(self, body: ChatCompletionRequest) -> bool:
         """Whether the answer is read for calls the model chose to make (tool_choice "auto")."""

@@ -52,6 +52,7 @@ class SampleDelta:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # the request's prompt logprobs, on each sample's delta of the step they arrive with
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    num_cached_tokens: int = 0  # the request's prompt tokens the prefix cache held
 
 
 @dataclass
@@ -107,6 +108,8 @@ class EngineClient:
                     for sample in output.outputs
                     if (delta := _delta(sample, sent.setdefault(sample.index, _Sent()), params))
                 ]
+                for delta in deltas:
+                    delta.num_cached_tokens = output.num_cached_tokens
                 if output.prompt_logprobs is not None and deltas and not prompt_logprobs_sent:
                     prompt_logprobs_sent = True
                     for delta in deltas:

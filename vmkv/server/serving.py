@@ -29,6 +29,7 @@ from vmkv.server.metrics import RequestTimer, ServingMetrics
 from vmkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    PromptTokensDetails,
     SamplingFields,
     Usage,
 )
@@ -70,6 +71,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    num_cached_tokens: int = 0  # its request's prompt tokens the prefix cache held
     started: bool = False  # a stream has sent a chunk of it
 
     @property
@@ -82,6 +84,7 @@ class Choice:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs.extend(delta.logprobs or [])
+        self.num_cached_tokens = delta.num_cached_tokens
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
@@ -395,10 +398,12 @@ def new_choices(submissions: list[Submission]) -> list[Choice]:
 def usage(submissions: list[Submission], choices: list[Choice]) -> Usage:
     prompt_tokens = sum(len(s.prompt_ids) for s in submissions)
     completion_tokens = sum(choice.num_tokens for choice in choices)
+    cached = sum(choices[s.choice_offset].num_cached_tokens for s in submissions)  # one per request
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 

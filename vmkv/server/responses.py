@@ -1,0 +1,273 @@
+"""/v1/responses: OpenAI's Responses API over the chat path. The request becomes a chat
+completion (instructions as a system message, `text.format` as response_format), and its one
+answer comes back as output items: a reasoning item when a reasoning parser splits one off,
+then the assistant message; streamed as the API's typed events, each with its sequence number.
+Nothing is stored, so a response cannot be fetched again or continued by its id."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic_core import to_jsonable_python
+
+from vmkv.engine import RequestRejected
+from vmkv.server.chat import ChatRun, ChatServing
+from vmkv.server.engine_client import EngineDeadError, RequestFailed
+from vmkv.server.errors import APIError
+from vmkv.server.logprobs import LogprobFormatter
+from vmkv.server.metrics import RequestTimer
+from vmkv.server.protocol import TokenLogprob, now
+from vmkv.server.reasoning import ReasoningStream, split_reasoning
+from vmkv.server.refusals import Refusal, check_supported
+from vmkv.server.responses_protocol import (
+    INCLUDE_LOGPROBS,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from vmkv.server.serving import Choice, new_choices
+from vmkv.server.streaming import EventStreamResponse
+
+# the chat request's fields an error may name -> this request's field they come from
+CHAT_FIELDS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text",
+}
+
+
+def response_refusals(body: ResponsesRequest) -> list[Refusal]:
+    return [
+        ("tools", bool(body.tools), "tools are served on /v1/chat/completions, not here"),
+        ("previous_response_id", body.previous_response_id is not None, "this server stores no responses"),
+        ("reasoning", body.reasoning is not None, "the model's reasoning has no settings here"),
+        ("background", bool(body.background), "responses are answered in the request"),
+        ("truncation", body.truncation == "auto", "a prompt too long is refused, not cut"),
+        (
+            "include",
+            any(item != INCLUDE_LOGPROBS for item in body.include or []),
+            f"only {INCLUDE_LOGPROBS} can be included",
+        ),
+    ]
+
+
+class ResponsesServing:
+    """Over the chat endpoint's serving: its checks, rendering, engine requests and metrics."""
+
+    def __init__(self, chat: ChatServing) -> None:
+        self.chat = chat
+
+    async def create(self, body: ResponsesRequest, request: Request) -> Response:
+        check_supported(response_refusals(body))
+        chat = self.chat
+        try:
+            run = await chat.prepare(body.as_chat(), id_prefix="resp")
+        except APIError as error:  # the chat request's field names, as this request spells them
+            error.param = CHAT_FIELDS.get(error.param, error.param)
+            raise
+        logprob_format = LogprobFormatter(chat.tokenizer, False)
+        timer = chat.metrics.timer()
+        if body.stream:
+            return EventStreamResponse(self.response_events(body, run, timer, logprob_format))
+        choices = await chat.collect_or_answer_disconnect(request, run.submissions, timer)
+        if isinstance(choices, Response):
+            return choices
+        (choice,) = choices
+        reasoning, text = (
+            split_reasoning(choice.text, run.reasoning) if run.reasoning else (None, choice.text)
+        )
+        status = item_status(choice)
+        output: list[OutputItem] = []
+        if reasoning is not None:
+            output.append(
+                ReasoningItem(id=item_id("rs", run), content=[ReasoningText(text=reasoning)], status=status)
+            )
+        logprobs = logprob_format.chat(choice.logprobs).content if body.logprobs else []
+        content = [OutputText(text=text or "", logprobs=logprobs)]
+        output.append(OutputMessage(id=item_id("msg", run), status=status, content=content))
+        return JSONResponse(self.envelope(body, run, now(), output, choice).model_dump(by_alias=True))
+
+    def envelope(
+        self,
+        body: ResponsesRequest,
+        run: ChatRun,
+        created: int,
+        output: list[OutputItem],
+        choice: Choice | None,
+    ) -> ResponseObject:
+        """The response object: in progress while `choice` is None, else finished with its usage."""
+        status = (
+            "in_progress"
+            if choice is None
+            else "incomplete"
+            if item_status(choice) == "incomplete"
+            else "completed"
+        )
+        return ResponseObject(
+            id=run.request_id,
+            created_at=created,
+            status=status,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens")
+            if status == "incomplete"
+            else None,
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens,
+            model=self.chat.model_name,
+            output=output,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_logprobs=body.top_logprobs,
+            text=body.text.model_dump(by_alias=True, exclude_none=True),
+            tool_choice=body.tool_choice or "auto",
+            usage=None if choice is None else self.response_usage(run, choice),
+            user=body.user,
+            metadata=body.metadata or {},
+        )
+
+    def response_usage(self, run: ChatRun, choice: Choice) -> ResponseUsage:
+        input_tokens = len(run.submissions[0].prompt_ids)
+        return ResponseUsage(
+            input_tokens=input_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=choice.num_cached_tokens),
+            output_tokens=choice.num_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=self.reasoning_tokens(run, choice)),
+            total_tokens=input_tokens + choice.num_tokens,
+        )
+
+    def reasoning_tokens(self, run: ChatRun, choice: Choice) -> int:
+        """The output tokens up to the end of the thinking (all of them if it never ended)."""
+        if run.reasoning is None:
+            return 0
+        end, tokens = self.chat.end_of_thinking, choice.token_ids
+        for i in range(len(tokens) - len(end) + 1):
+            if tokens[i : i + len(end)] == end:
+                return i + len(end)
+        return len(tokens)
+
+    async def response_events(
+        self, body: ResponsesRequest, run: ChatRun, timer: RequestTimer, logprob_format: LogprobFormatter
+    ) -> AsyncGenerator[str, None]:
+        created = now()
+        stream = ResponseStream(run)
+        yield stream.event("response.created", response=self.envelope(body, run, created, [], None))
+        yield stream.event("response.in_progress", response=self.envelope(body, run, created, [], None))
+        thoughts = ReasoningStream(run.reasoning) if run.reasoning else None
+        choices = new_choices(run.submissions)
+        try:
+            async with aclosing(self.chat.choice_deltas(run.submissions, choices, timer)) as steps:
+                async for step in steps:
+                    for item in step:
+                        text, finished = item.delta.text, item.delta.finish_reason is not None
+                        reasoning = ""
+                        if thoughts is not None:
+                            reasoning, text = thoughts.delta(text, finished)
+                        for event in stream.reasoning(reasoning):
+                            yield event
+                        logprobs = (
+                            logprob_format.chat(item.delta.logprobs or []).content if body.logprobs else []
+                        )
+                        for event in stream.text(text, logprobs):
+                            yield event
+            (choice,) = choices
+            for event in stream.close(item_status(choice)):
+                yield event
+            final = self.envelope(body, run, created, stream.items, choice)
+            yield stream.event(f"response.{final.status}", response=final)
+        except (EngineDeadError, RequestFailed, RequestRejected) as error:
+            yield stream.event("error", code=type(error).__name__, message=str(error), param=None)
+
+
+@dataclass
+class ResponseStream:
+    """The output items of a streamed response as they open, grow and close, as events."""
+
+    run: ChatRun
+    items: list[OutputItem] = field(default_factory=list)
+    open: OutputItem | None = None
+    sequence: itertools.count = field(default_factory=itertools.count)
+
+    def event(self, kind: str, **fields: object) -> str:
+        data = {"type": kind, "sequence_number": next(self.sequence), **fields}
+        return f"event: {kind}\ndata: {json.dumps(to_jsonable_python(data, by_alias=True))}\n\n"
+
+    def where(self) -> dict[str, object]:
+        return {"item_id": self.open.id, "output_index": len(self.items) - 1, "content_index": 0}
+
+    def reasoning(self, delta: str) -> list[str]:
+        if not delta:
+            return []
+        events = []
+        if self.open is None:
+            item = ReasoningItem(id=item_id("rs", self.run), status="in_progress")
+            events += self.start(item, ReasoningText(text=""))
+        self.open.content[0].text += delta
+        return [*events, self.event("response.reasoning_text.delta", **self.where(), delta=delta)]
+
+    def text(self, delta: str, logprobs: list[TokenLogprob]) -> list[str]:
+        if not delta and not logprobs:
+            return []
+        events = []
+        if isinstance(self.open, ReasoningItem):
+            events += self.finish("completed")
+        if self.open is None:
+            events += self.start(
+                OutputMessage(id=item_id("msg", self.run), status="in_progress"), OutputText(text="")
+            )
+        part = self.open.content[0]
+        part.text += delta
+        part.logprobs += logprobs
+        delta_event = self.event("response.output_text.delta", **self.where(), delta=delta, logprobs=logprobs)
+        return [*events, delta_event]
+
+    def close(self, status: str) -> list[str]:
+        """The end: open items finish, and an answer that said nothing still gets its message."""
+        events = self.finish(status) if isinstance(self.open, ReasoningItem) else []
+        if self.open is None:
+            events += self.start(
+                OutputMessage(id=item_id("msg", self.run), status="in_progress"), OutputText(text="")
+            )
+        return events + self.finish(status)
+
+    def start(self, item: OutputItem, part: OutputText | ReasoningText) -> list[str]:
+        self.items.append(item)
+        self.open = item
+        added = self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        item.content.append(part)
+        return [added, self.event("response.content_part.added", **self.where(), part=part)]
+
+    def finish(self, status: str) -> list[str]:
+        item, part = self.open, self.open.content[0]
+        item.status = status
+        kind = "reasoning_text" if isinstance(item, ReasoningItem) else "output_text"
+        extra = {} if kind == "reasoning_text" else {"logprobs": part.logprobs}
+        events = [
+            self.event(f"response.{kind}.done", **self.where(), text=part.text, **extra),
+            self.event("response.content_part.done", **self.where(), part=part),
+            self.event("response.output_item.done", output_index=len(self.items) - 1, item=item),
+        ]
+        self.open = None
+        return events
+
+
+def item_status(choice: Choice) -> str:
+    return "incomplete" if choice.finish_reason == "length" else "completed"
+
+
+def item_id(prefix: str, run: ChatRun) -> str:
+    return f"{prefix}_{run.request_id.removeprefix('resp-')}"

@@ -1,0 +1,190 @@
+"""Bodies of OpenAI's Responses API (/v1/responses), the part a text model serves: text or a
+conversation in, one assistant message out (after a reasoning item, with a reasoning parser),
+whole or as the API's typed stream events."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, StrictBool, StrictInt
+
+from vmkv.server.protocol import (
+    MAX_TOP_LOGPROBS,
+    ChatCompletionRequest,
+    ChatMessage,
+    JsonSchema,
+    JsonSchemaFormat,
+    OpenAIModel,
+    ResponseFormat,
+    Text,
+    TokenLogprob,
+    now,
+)
+
+# the one `include` value that changes a text answer: its tokens' logprobs
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+
+
+class InputText(OpenAIModel):
+    type: Literal["input_text", "output_text"]  # output_text: an earlier answer sent back
+    text: Text
+
+
+class InputMessage(OpenAIModel):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[InputText]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class TextFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: Text = "response"
+    description: Text | None = None
+    schema_: JsonSchema | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class TextOptions(OpenAIModel):
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
+class ResponsesRequest(OpenAIModel):
+    model: Text | None = None
+    input: Text | Annotated[list[InputMessage], Field(min_length=1)]
+    instructions: Text | None = Field(default=None, description="A system message before the input.")
+    max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=1.0)] = 1.0
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    include: list[Text] | None = None
+    stream: StrictBool = False
+    text: TextOptions = Field(default_factory=TextOptions)
+    metadata: dict[str, Text] | None = None
+    user: Text | None = None
+    store: StrictBool | None = Field(default=None, description="Accepted; this server stores no responses.")
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    truncation: Literal["disabled", "auto"] = "disabled"
+    # known and refused with a 400 when set (see docs/server.md)
+    tools: list[Any] | None = None
+    previous_response_id: Text | None = None
+    reasoning: Any = None
+    background: StrictBool | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        return INCLUDE_LOGPROBS in (self.include or [])
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The same request as a chat completion: instructions first, as a system message."""
+        messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        if isinstance(self.input, str):
+            messages.append(ChatMessage(role="user", content=self.input))
+        else:
+            messages += [ChatMessage(role=m.role, content=m.text) for m in self.input]
+        text_format = self.text.format
+        response_format = None
+        if text_format.type != "text":
+            schema = None
+            if text_format.type == "json_schema":
+                schema = JsonSchemaFormat(
+                    name=text_format.name,
+                    description=text_format.description,
+                    schema=text_format.schema_ or {},
+                    strict=text_format.strict,
+                )
+            response_format = ResponseFormat(type=text_format.type, json_schema=schema)
+        return ChatCompletionRequest(
+            model=self.model,
+            messages=messages,
+            max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs if self.logprobs else None,
+            stream=self.stream,
+            user=self.user,
+            response_format=response_format,
+        )
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | ReasoningItem
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=now)
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: dict[str, Any] | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool = False  # nothing is kept: the answer is only in this response
+    temperature: float
+    top_p: float
+    top_logprobs: int | None = None
+    text: dict[str, Any]
+    tool_choice: str = "none"
+    tools: list[Any] = Field(default_factory=list)
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
