@@ -341,7 +341,9 @@ def test_stop_string_ends_the_sample(served: Served) -> None:
 def test_models_tokenize_detokenize_version(served: Served) -> None:
     models = served.openai().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert served.openai().models.retrieve(MODEL).id == MODEL
     with httpx.Client(base_url=served.url) as http:
+        assert_openai_error(http.get("/v1/models/org/other-model"), 404, "model")
         tokens = http.post("/tokenize", json={"prompt": "Hello, world!"}).json()
         assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
         assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {

@@ -114,10 +114,17 @@ def build_app(
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await responses.create(body, request)
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
+
     @api.get("/v1/models")
     async def list_models() -> ModelList:
-        card = ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[model_card()])
+
+    @api.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> ModelCard:
+        chat.check_model(model)
+        return model_card()
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

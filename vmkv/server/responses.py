@@ -111,13 +111,7 @@ class ResponsesServing:
         choice: Choice | None,
     ) -> ResponseObject:
         """The response object: in progress while `choice` is None, else finished with its usage."""
-        status = (
-            "in_progress"
-            if choice is None
-            else "incomplete"
-            if item_status(choice) == "incomplete"
-            else "completed"
-        )
+        status = "in_progress" if choice is None else item_status(choice)
         return ResponseObject(
             id=run.request_id,
             created_at=created,
