@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine import make_llm as make_engine_llm
 
 from vmkv.engine import LLM, SamplingParams
 from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids
@@ -20,16 +21,8 @@ MAX_TOKENS = 16
 
 
 def make_llm(model_dir: Path, kv_mode: str, **kwargs: object) -> LLM:
-    options = {
-        "kv_mode": kv_mode,
-        "dtype": "float32",
-        "kv_budget_bytes": 1 << 22,
-        "max_model_len": 128,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 32,
-        "page_size": 4096,
-    }
-    return LLM(str(model_dir), **(options | kwargs))
+    """test_engine's engine, with prefill chunked at 32 tokens."""
+    return make_engine_llm(model_dir, kv_mode, **({"max_num_batched_tokens": 32} | kwargs))
 
 
 def reference_beam_search(

@@ -17,23 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from bench_serve import (
-    PEER_TARGETS,
-    free_port,
-    install_peer,
-    native_bf16,
-    rotated,
-    server_command,
-    stop_group,
-    wait_healthy,
-)
+from bench_serve import install_peer, rotated, running_server, served_model, targets_and_dtypes
 
 from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids
 from vmkv.model.store import load_tokenizer
@@ -44,18 +33,12 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     args = parse_args()
     peer_python = install_peer(args.peer_venv)
-    model = (
-        args.model
-        or subprocess.check_output([sys.executable, "-m", "vmkv.cli", "pull"], text=True).split()[-1]
-    )
+    model = served_model(args.model)
     prompts = chat_prompt_ids(load_tokenizer(model), CHAT_PROMPTS[: args.num_prompts])
     args.out.mkdir(parents=True, exist_ok=True)
-    dtypes = args.peer_dtypes or (["bfloat16"] if native_bf16() else ["bfloat16", "float32"])
-    targets = [(t, d) for t in args.targets if t in PEER_TARGETS for d in dtypes]
-    targets += [(t, args.dtype) for t in args.targets if t not in PEER_TARGETS]
     runs = []
     for round_index in range(args.rounds):
-        for target, dtype in rotated(targets, round_index):
+        for target, dtype in rotated(targets_and_dtypes(args), round_index):
             runs.append(measure(args, peer_python, model, target, dtype, round_index, prompts))
             (args.out / "beam_search.json").write_text(json.dumps(runs, indent=1))
     table = markdown(args, runs)
@@ -94,28 +77,22 @@ def measure(
     round_index: int,
     prompts: list[list[int]],
 ) -> dict:
-    port = args.port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    command, env = server_command(args, peer_python, model, target, dtype, port)
-    log = (args.out / f"server-beam-{target}-{dtype}-{round_index}.log").open("w")
     print(f"[round {round_index}] {target} ({dtype})", flush=True)
-    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_healthy(server, url)
-        with httpx.Client(base_url=url, timeout=3600) as client:
-            search(client, args, prompts[0])  # warm-up: first-call costs are not beam search's
-            alone, answers = [], []
-            for prompt in prompts:
-                start = time.perf_counter()
-                answers.append(search(client, args, prompt))
-                alone.append(time.perf_counter() - start)
+    log_name = f"server-beam-{target}-{dtype}-{round_index}.log"
+    with (
+        running_server(args, peer_python, model, target, dtype, log_name) as (url, _),
+        httpx.Client(base_url=url, timeout=3600) as client,
+    ):
+        search(client, args, prompts[0])  # warm-up: first-call costs are not beam search's
+        alone, answers = [], []
+        for prompt in prompts:
             start = time.perf_counter()
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                list(pool.map(lambda p: search(client, args, p), prompts))
-            together = time.perf_counter() - start
-    finally:
-        stop_group(server)
-        log.close()
+            answers.append(search(client, args, prompt))
+            alone.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            list(pool.map(lambda p: search(client, args, p), prompts))
+        together = time.perf_counter() - start
     return {
         "target": target,
         "dtype": dtype,

@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -58,14 +59,9 @@ METRICS = (
 def main() -> None:
     args = parse_args()
     peer_python = install_peer(args.peer_venv)
-    model = (
-        args.model
-        or subprocess.check_output([sys.executable, "-m", "vmkv.cli", "pull"], text=True).split()[-1]
-    )
+    model = served_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
-    dtypes = args.peer_dtypes or (["bfloat16"] if native_bf16() else ["bfloat16", "float32"])
-    targets = [(t, d) for t in args.targets if t in PEER_TARGETS for d in dtypes]
-    targets += [(t, args.dtype) for t in args.targets if t in VMKV_TARGETS]
+    targets = targets_and_dtypes(args)
     runs: list[dict] = []
     for round_index in range(args.rounds):
         for target, dtype in rotated(targets, round_index):
@@ -79,6 +75,21 @@ def main() -> None:
     table = markdown(runs)
     (args.out / "report.md").write_text(table)
     print(table)
+
+
+def served_model(model: str | None) -> str:
+    """The checkpoint every target serves: --model, or the default model (pulled on first use)."""
+    if model:
+        return model
+    return subprocess.check_output([sys.executable, "-m", "vmkv.cli", "pull"], text=True).split()[-1]
+
+
+def targets_and_dtypes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(target, dtype) to run: the peer in bf16, and in fp32 too where bf16 is not native (its
+    fastest dtype may be either there), unless --peer-dtypes says; vmkv in its --dtype."""
+    dtypes = args.peer_dtypes or (["bfloat16"] if native_bf16() else ["bfloat16", "float32"])
+    targets = [(t, d) for t in args.targets if t in PEER_TARGETS for d in dtypes]
+    return targets + [(t, args.dtype) for t in args.targets if t not in PEER_TARGETS]
 
 
 def rotated(targets: list[tuple[str, str]], round_index: int) -> list[tuple[str, str]]:
@@ -233,18 +244,33 @@ def wait_healthy(process: subprocess.Popen, url: str) -> None:
     raise RuntimeError("server did not become healthy")
 
 
-def serve_and_measure(
-    args: argparse.Namespace, peer_python: Path, model: str, target: str, dtype: str, round_index: int
-) -> list[dict]:
+@contextlib.contextmanager
+def running_server(
+    args: argparse.Namespace, peer_python: Path, model: str, target: str, dtype: str, log_name: str
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """(url, process) of a target's server on a loopback port once healthy; on exit its whole
+    process group is stopped. Its output goes to `log_name` in --out."""
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     command, env = server_command(args, peer_python, model, target, dtype, port)
-    log = (args.out / f"server-{target}-{dtype}-{round_index}.log").open("w")
+    with (args.out / log_name).open("w") as log:
+        server = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            wait_healthy(server, url)
+            yield url, server
+        finally:
+            stop_group(server)
+
+
+def serve_and_measure(
+    args: argparse.Namespace, peer_python: Path, model: str, target: str, dtype: str, round_index: int
+) -> list[dict]:
     print(f"[round {round_index}] starting {target} ({dtype})", flush=True)
-    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log_name = f"server-{target}-{dtype}-{round_index}.log"
     runs = []
-    try:
-        wait_healthy(server, url)
+    with running_server(args, peer_python, model, target, dtype, log_name) as (url, server):
         for rate_index, rate in enumerate(args.rates):
             # Prompts differ from every earlier run on this server (else a prefix cache answers
             # them) and are the same for every target at this round and rate.
@@ -252,9 +278,6 @@ def serve_and_measure(
             before = cpu_split(server.pid)
             runs.append(client_run(args, peer_python, model, url, target, dtype, rate, round_index, seed))
             runs[-1].update(cpu_delta(before, cpu_split(server.pid)))
-    finally:
-        stop_group(server)
-        log.close()
     return runs
 
 
