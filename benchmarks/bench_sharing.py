@@ -9,6 +9,9 @@ Two small scenarios on the engine, each target built fresh per round, rounds int
   pre-mapped idle slots for the next admissions;
 - n = 4: one request of four greedy samples of 64 tokens after the same prefix; KV physically
   held at peak. Forks share full pages in both vattention targets; only prefix caching differs.
+- beam search: one request of four beams of 64 tokens after the same prefix (beams fork and
+  are freed every step); KV physically held at peak, against the KV of four unshared copies,
+  and the request's wall time.
 
     python benchmarks/bench_sharing.py --rounds 3 --threads 1
 """
@@ -70,6 +73,16 @@ def run(model: str, options: dict, prefix: list[int], dtype: str, page_size: int
     llm.generate(prefix, samples)
     result |= {f"n4_{k}_mib": v for k, v in peak_mib(llm).items()}
     llm.close()
+    llm = LLM(model, **options)
+    beams = SamplingParams(n=4, use_beam_search=True, max_tokens=64, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prefix, beams)
+    result["beam_s"] = time.perf_counter() - start
+    result |= {f"beam_{k}_mib": v for k, v in peak_mib(llm).items()}
+    shape = llm.engine.runner.kv_shape
+    token_bytes = shape.num_layers * shape.bytes_per_token_per_layer
+    result["beam_unshared_mib"] = 4 * (len(prefix) + 64) * token_bytes / 2**20
+    llm.close()
     return result
 
 
@@ -93,15 +106,17 @@ def main() -> None:
     print(
         "| target | TTFT of the second request (ms) | prompt tokens hit | critical map ms | "
         "peak KV held / backing sequences / pre-mapped reserve, shared prefix (MiB) | "
-        "the same, n = 4 (MiB) |"
+        "the same, n = 4 (MiB) | beam search, 4 x 64: the same / four unshared copies (MiB), wall s |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(
             f"| {name} | {med['ttft_ms']:.0f} | {med['hit']:.0f} | {med['map_ms']:.1f} | "
             f"{med['held_mib']:.1f} / {med['backing_mib']:.1f} / {med['reserve_mib']:.1f} | "
-            f"{med['n4_held_mib']:.1f} / {med['n4_backing_mib']:.1f} / {med['n4_reserve_mib']:.1f} |"
+            f"{med['n4_held_mib']:.1f} / {med['n4_backing_mib']:.1f} / {med['n4_reserve_mib']:.1f} | "
+            f"{med['beam_held_mib']:.1f} / {med['beam_backing_mib']:.1f} / {med['beam_reserve_mib']:.1f} / "
+            f"{med['beam_unshared_mib']:.1f}, {med['beam_s']:.2f} |"
         )
 
 
