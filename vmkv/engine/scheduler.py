@@ -187,10 +187,11 @@ class Scheduler:
         # beams recomputing after a preemption leave their last token for one step they all
         # share: a beam search step needs every beam's next-token logits at once
         lockstep = group.beam is not None and group.is_prefilling and len(group.live_seqs) > 1
+        held_back = 1 if lockstep else 0
         for seq in group.live_seqs:
             if budget == 0:
                 break
-            num_new = min(seq.num_uncomputed - lockstep, budget)
+            num_new = min(seq.num_uncomputed - held_back, budget)
             if num_new:
                 plan.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
