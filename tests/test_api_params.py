@@ -19,8 +19,9 @@ from test_server import MODEL, LiveServer, Served, start_engine
 from vmkv import LLM, SamplingParams
 from vmkv.engine import AsyncLLM, RequestRejected
 from vmkv.engine.structured_output import check_structured
+from vmkv.model.store import load_tokenizer
 from vmkv.server import EngineClient, build_app
-from vmkv.server.chat import template_message
+from vmkv.server.chat import template_message, template_variables
 from vmkv.server.protocol import ChatCompletionRequest
 from vmkv.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from vmkv.server.tool_calls import answer_calls, forced_tool
@@ -503,6 +504,53 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, served: 
         json={"messages": messages, "chat_template_kwargs": {"enable_thinking": False}},
     ).json()
     assert tokenized["tokens"] == token_ids(served, rendered)
+
+
+def test_reasoning_effort_switches_the_templates_thinking_as_vllm_does(
+    client: openai.OpenAI, served: Served, default_model_dir: Path
+) -> None:
+    """ "none" renders enable_thinking false, any other effort true, unless chat_template_kwargs
+    says; the Responses API's reasoning.effort is the same switch. A template that reads neither
+    variable (SmolLM2's) makes the effort a 400: it would change nothing."""
+    messages = [{"role": "user", "content": "hi"}]
+
+    def prompt_ids(**extra: object) -> list[int]:
+        request = {"model": MODEL, "messages": messages, "max_tokens": 1}
+        out = client.chat.completions.create(**request, extra_body={"return_token_ids": True, **extra})
+        return out.model_extra["prompt_token_ids"]
+
+    tokenizer = served.engine.tokenizer
+    closed, open_ = (
+        token_ids(
+            served, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+        )
+        for kw in ({"enable_thinking": False}, {})
+    )
+    assert closed != open_
+    assert prompt_ids(reasoning_effort="none") == closed
+    assert prompt_ids(reasoning_effort="high") == open_
+    assert prompt_ids(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}) == closed
+    answer = client.responses.create(
+        model=MODEL, input="hi", max_output_tokens=1, reasoning={"effort": "none"}
+    )
+    assert answer.usage.input_tokens == len(closed) and answer.reasoning.effort == "none"
+
+    assert template_variables(load_tokenizer(default_model_dir).chat_template).isdisjoint(
+        {"reasoning_effort", "enable_thinking"}
+    )
+    template = tokenizer.chat_template
+    tokenizer.chat_template = load_tokenizer(default_model_dir).chat_template
+    try:
+        with LiveServer(build_app(served.engine, MODEL)) as server:
+            plain = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.BadRequestError) as caught:
+                plain.chat.completions.create(model=MODEL, messages=messages, reasoning_effort="low")
+            assert caught.value.body["param"] == "reasoning_effort"
+            with pytest.raises(openai.BadRequestError) as caught:
+                plain.responses.create(model=MODEL, input="hi", reasoning={"effort": "low"})
+            assert caught.value.body["param"] == "reasoning"
+    finally:
+        tokenizer.chat_template = template
 
 
 def test_tools_reach_the_template_in_chat_and_tokenize_alike(client: openai.OpenAI, served: Served) -> None:
@@ -991,7 +1039,6 @@ def test_completion_parameters_not_honoured_are_400s(
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"web_search_options": {}}, "web_search_options"),
-        ({"reasoning_effort": "low"}, "reasoning_effort"),
         ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is on
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
@@ -1230,7 +1277,7 @@ def test_a_response_takes_a_conversation_a_schema_and_returns_logprobs(client: o
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning"),
         ({"max_output_tokens": 10_000}, "max_output_tokens"),
         ({"input": "x" * 100_000}, "input"),
         ({"text": {"format": {"type": "json_schema", "name": "f", "schema": {"type": "nonsense"}}}}, "text"),

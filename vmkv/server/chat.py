@@ -9,6 +9,8 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+import jinja2
+import jinja2.meta
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
@@ -89,6 +91,25 @@ class ChatServing(OpenAIServing):
         self.end_of_thinking = (
             self.tokenizer(END, add_special_tokens=False)["input_ids"] if reasoning_parser else None
         )
+        self.template_variables = template_variables(self.tokenizer.chat_template)
+
+    def effort_kwargs(self, body: ChatCompletionRequest) -> dict[str, object]:
+        """reasoning_effort as vLLM passes it: the template's own variable, and enable_thinking
+        off for "none" (on otherwise) unless chat_template_kwargs sets it. A 400 where the
+        template reads neither: the effort would change nothing."""
+        effort = body.reasoning_effort
+        if effort is None:
+            return {}
+        if not self.template_variables & {"reasoning_effort", "enable_thinking"}:
+            raise bad_request(
+                "this model's chat template has no reasoning switch (it reads neither reasoning_effort "
+                "nor enable_thinking)",
+                "reasoning_effort",
+            )
+        kwargs: dict[str, object] = {"reasoning_effort": effort}
+        if "enable_thinking" not in (body.chat_template_kwargs or {}):
+            kwargs["enable_thinking"] = effort != "none"
+        return kwargs
 
     def render_chat(
         self,
@@ -164,7 +185,7 @@ class ChatServing(OpenAIServing):
             body.messages,
             body.add_generation_prompt,
             body.continue_final_message,
-            body.chat_template_kwargs,
+            (body.chat_template_kwargs or {}) | self.effort_kwargs(body),
             template_tools(body.tools),
         )
         prompt_ids = self.truncated(await self.encode(text, add_special_tokens=False, param="messages"), body)
@@ -332,6 +353,19 @@ def template_message(message: ChatMessage) -> dict:
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
     return rendered
+
+
+def template_variables(template: str | dict | None) -> frozenset[str]:
+    """The variables a chat template reads (of its default, where a tokenizer names several)."""
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not template:
+        return frozenset()
+    environment = jinja2.Environment()
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset()  # rendering will say what is wrong with it
 
 
 def json_or_text(text: str) -> object:

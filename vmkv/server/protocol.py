@@ -264,6 +264,9 @@ class NamedToolChoice(OpenAIModel):
     function: NamedFunction
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -279,6 +282,11 @@ class ChatCompletionRequest(SamplingFields):
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="Extra variables for the model's chat template."
+    )
+    reasoning_effort: ReasoningEffort | None = Field(
+        default=None,
+        description="For templates with a reasoning switch: their reasoning_effort variable, and "
+        'enable_thinking false for "none" (true otherwise) unless chat_template_kwargs sets it.',
     )
     echo: StrictBool = Field(
         default=False,
@@ -300,7 +308,6 @@ class ChatCompletionRequest(SamplingFields):
     prediction: Any = None
     modalities: list[Text] | None = None
     web_search_options: Any = None
-    reasoning_effort: Text | None = None
     chat_template: Text | None = None
 
     @property

@@ -67,7 +67,6 @@ def chat_refusals(body: ChatCompletionRequest, parses_calls: bool) -> list[Refus
         ("modalities", body.modalities not in (None, ["text"]), "this server generates text only"),
         ("prediction", body.prediction is not None, "predicted outputs are not implemented"),
         ("web_search_options", body.web_search_options is not None, "this server has no web search"),
-        ("reasoning_effort", body.reasoning_effort is not None, "the model has no reasoning mode here"),
         (
             "chat_template",
             body.chat_template is not None,

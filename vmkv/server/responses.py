@@ -48,6 +48,7 @@ CHAT_FIELDS = {
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text",
+    "reasoning_effort": "reasoning",
 }
 
 
@@ -55,7 +56,11 @@ def response_refusals(body: ResponsesRequest) -> list[Refusal]:
     return [
         ("tools", bool(body.tools), "tools are served on /v1/chat/completions, not here"),
         ("previous_response_id", body.previous_response_id is not None, "this server stores no responses"),
-        ("reasoning", body.reasoning is not None, "the model's reasoning has no settings here"),
+        (
+            "reasoning",
+            body.reasoning is not None and body.reasoning.summary is not None,
+            "reasoning summaries are not written; the reasoning comes whole, in a reasoning item",
+        ),
         ("background", bool(body.background), "responses are answered in the request"),
         ("truncation", body.truncation == "auto", "a prompt too long is refused, not cut"),
         (
@@ -129,6 +134,7 @@ class ResponsesServing:
             top_logprobs=body.top_logprobs,
             text=body.text.model_dump(by_alias=True, exclude_none=True),
             tool_choice=body.tool_choice or "auto",
+            reasoning=None if body.reasoning is None else body.reasoning.model_dump(),
             usage=None if choice is None else self.response_usage(run, choice),
             user=body.user,
             metadata=body.metadata or {},

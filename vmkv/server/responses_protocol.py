@@ -15,6 +15,7 @@ from vmkv.server.protocol import (
     JsonSchema,
     JsonSchemaFormat,
     OpenAIModel,
+    ReasoningEffort,
     ResponseFormat,
     Text,
     TokenLogprob,
@@ -48,6 +49,11 @@ class TextFormat(OpenAIModel):
     strict: StrictBool | None = None
 
 
+class ReasoningOptions(OpenAIModel):
+    effort: ReasoningEffort | None = None  # as chat's reasoning_effort
+    summary: Literal["auto", "concise", "detailed"] | None = None  # refused: nothing summarizes
+
+
 class TextOptions(OpenAIModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
@@ -69,10 +75,10 @@ class ResponsesRequest(OpenAIModel):
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: StrictBool | None = None
     truncation: Literal["disabled", "auto"] = "disabled"
+    reasoning: ReasoningOptions | None = None
     # known and refused with a 400 when set (see docs/server.md)
     tools: list[Any] | None = None
     previous_response_id: Text | None = None
-    reasoning: Any = None
     background: StrictBool | None = None
 
     @property
@@ -109,6 +115,7 @@ class ResponsesRequest(OpenAIModel):
             stream=self.stream,
             user=self.user,
             response_format=response_format,
+            reasoning_effort=None if self.reasoning is None else self.reasoning.effort,
         )
 
 
