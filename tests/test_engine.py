@@ -311,6 +311,35 @@ def test_detokenizer_waits_for_whole_characters(tiny_model_dir: Path) -> None:
     assert any(d == "" for d in deltas)  # some byte tokens had to wait for the rest of their character
 
 
+def test_chat_renders_conversations_with_the_template_as_the_server_does(tiny_model_dir: Path) -> None:
+    llm = make_llm(tiny_model_dir)
+    tokenizer = llm.tokenizer
+    first = [{"role": "user", "content": "Hi!"}]
+    second = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    (one,) = llm.chat(first, params)
+    both = llm.chat([first, second], params, continue_final_message=True, add_generation_prompt=False)
+    thinking_off = llm.chat(first, params, chat_template_kwargs={"enable_thinking": False})[0]
+    llm.close()
+    rendered = [
+        tokenizer.apply_chat_template(
+            first, tokenize=False, add_generation_prompt=False, continue_final_message=True
+        ),
+        tokenizer.apply_chat_template(
+            second, tokenize=False, add_generation_prompt=False, continue_final_message=True
+        ),
+    ]
+    assert (
+        one.prompt_token_ids == tokenizer.apply_chat_template(first, add_generation_prompt=True)["input_ids"]
+    )
+    assert [o.prompt_token_ids for o in both] == [
+        tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered
+    ]
+    assert tokenizer.decode(both[1].prompt_token_ids).endswith("Blue")  # left open for the answer
+    assert tokenizer.decode(thinking_off.prompt_token_ids).endswith("</think>\n\n")
+    assert one.outputs[0].token_ids
+
+
 def test_async_streams_tokens_and_aborts_on_early_exit(
     tiny_model_dir: Path, prompts: list[list[int]]
 ) -> None:

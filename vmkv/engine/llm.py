@@ -10,6 +10,7 @@ from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+Conversation = Sequence[dict]  # chat messages: {"role": ..., "content": ...}
 
 
 class LLM:
@@ -63,6 +64,38 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
         return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, object] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one conversation or a list, each rendered with the model's chat template
+        as the server's chat endpoint renders it (vLLM's LLM.chat): `tools` go to templates that
+        describe them, chat_template_kwargs are the template's own variables, and
+        continue_final_message leaves the last message open for the answer to continue."""
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template; use generate() with a prompt")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.tokenizer(
+                self.tokenizer.apply_chat_template(
+                    conversation,
+                    tools=tools,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {}),
+                ),
+                add_special_tokens=False,  # the template wrote them
+            )["input_ids"]
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params)
 
     def close(self) -> None:
         self.engine.close()
