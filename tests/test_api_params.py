@@ -1307,3 +1307,69 @@ def test_a_reasoning_parser_puts_the_thinking_in_a_reasoning_item(served: Served
     streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert streamed == reasoning.content[0].text
     assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+
+
+RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the API's flat shape
+
+
+def test_a_response_makes_the_calls_chat_makes_whole_and_streamed(client: openai.OpenAI) -> None:
+    """Function tools with a forcing tool_choice: function_call items whose arguments are chat's,
+    streamed as argument deltas; earlier calls and their outputs in the input render as chat's
+    assistant tool_calls and tool messages."""
+    request = {
+        "model": MODEL,
+        "input": ASK[0]["content"],
+        "tools": RESPONSE_TOOLS,
+        "tool_choice": {"type": "function", "name": "weather"},
+        "max_output_tokens": 60,
+        "temperature": 0.0,
+    }
+    whole = client.responses.create(**request)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "weather"}},
+        max_tokens=60,
+        temperature=0.0,
+    )
+    (call,) = whole.output
+    assert (call.type, call.name) == ("function_call", "weather") and call.call_id
+    assert call.arguments == chat.choices[0].message.tool_calls[0].function.arguments
+    assert jsonschema_rs.validator_for(CITY).is_valid(json.loads(call.arguments))
+
+    events = list(client.responses.create(**request, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[2] == "response.output_item.added" and events[2].item.type == "function_call"
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == events[-3].arguments == call.arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    required = client.responses.create(**request | {"tool_choice": "required", "parallel_tool_calls": False})
+    assert [(o.type, o.name in ("weather", "forecast")) for o in required.output] == [("function_call", True)]
+
+    arguments = json.dumps({"city": "Paris"})
+    history = [
+        *ASK,
+        {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    answered = client.responses.create(
+        model=MODEL, input=history, tools=RESPONSE_TOOLS, tool_choice="none", max_output_tokens=1
+    )
+    chat_call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": arguments}}
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    chat_answered = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=1
+    )
+    assert answered.usage.input_tokens == chat_answered.usage.prompt_tokens
+    assert answered.output[0].type == "message"

@@ -18,15 +18,16 @@ from pydantic_core import to_jsonable_python
 
 from vmkv.engine import RequestRejected
 from vmkv.server.chat import ChatRun, ChatServing
-from vmkv.server.engine_client import EngineDeadError, RequestFailed
+from vmkv.server.engine_client import EngineDeadError, RequestFailed, SampleDelta
 from vmkv.server.errors import APIError
 from vmkv.server.logprobs import LogprobFormatter
 from vmkv.server.metrics import RequestTimer
-from vmkv.server.protocol import TokenLogprob, now
+from vmkv.server.protocol import ChatCompletionRequest, DeltaToolCall, TokenLogprob, now
 from vmkv.server.reasoning import ReasoningStream, split_reasoning
 from vmkv.server.refusals import Refusal, check_supported
 from vmkv.server.responses_protocol import (
     INCLUDE_LOGPROBS,
+    FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
     OutputItem,
@@ -41,6 +42,8 @@ from vmkv.server.responses_protocol import (
 )
 from vmkv.server.serving import Choice, new_choices
 from vmkv.server.streaming import EventStreamResponse
+from vmkv.server.tool_calls import ForcedCallStream, answer_calls, call_stream
+from vmkv.server.tool_parser import HermesStream
 
 # the chat request's fields an error may name -> this request's field they come from
 CHAT_FIELDS = {
@@ -54,7 +57,6 @@ CHAT_FIELDS = {
 
 def response_refusals(body: ResponsesRequest) -> list[Refusal]:
     return [
-        ("tools", bool(body.tools), "tools are served on /v1/chat/completions, not here"),
         ("previous_response_id", body.previous_response_id is not None, "this server stores no responses"),
         (
             "reasoning",
@@ -79,16 +81,16 @@ class ResponsesServing:
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
         check_supported(response_refusals(body))
-        chat = self.chat
+        chat, chat_body = self.chat, body.as_chat()
         try:
-            run = await chat.prepare(body.as_chat(), id_prefix="resp")
+            run = await chat.prepare(chat_body, id_prefix="resp")
         except APIError as error:  # the chat request's field names, as this request spells them
             error.param = CHAT_FIELDS.get(error.param, error.param)
             raise
         logprob_format = LogprobFormatter(chat.tokenizer, False)
         timer = chat.metrics.timer()
         if body.stream:
-            return EventStreamResponse(self.response_events(body, run, timer, logprob_format))
+            return EventStreamResponse(self.response_events(body, chat_body, run, timer, logprob_format))
         choices = await chat.collect_or_answer_disconnect(request, run.submissions, timer)
         if isinstance(choices, Response):
             return choices
@@ -102,9 +104,21 @@ class ResponsesServing:
             output.append(
                 ReasoningItem(id=item_id("rs", run), content=[ReasoningText(text=reasoning)], status=status)
             )
-        logprobs = logprob_format.chat(choice.logprobs).content if body.logprobs else []
-        content = [OutputText(text=text or "", logprobs=logprobs)]
-        output.append(OutputMessage(id=item_id("msg", run), status=status, content=content))
+        content, calls = answer_calls(chat_body, text or "", chat.parses_calls(chat_body))
+        if content or not calls:
+            logprobs = logprob_format.chat(choice.logprobs).content if body.logprobs and not calls else []
+            parts = [OutputText(text=content or "", logprobs=logprobs)]
+            output.append(OutputMessage(id=item_id("msg", run), status=status, content=parts))
+        output += [
+            FunctionCallItem(
+                id=f"fc_{call.id}",
+                call_id=call.id,
+                name=call.function.name,
+                arguments=call.function.arguments,
+                status=status,
+            )
+            for call in calls or []
+        ]
         return JSONResponse(self.envelope(body, run, now(), output, choice).model_dump(by_alias=True))
 
     def envelope(
@@ -134,6 +148,7 @@ class ResponsesServing:
             top_logprobs=body.top_logprobs,
             text=body.text.model_dump(by_alias=True, exclude_none=True),
             tool_choice=body.tool_choice or "auto",
+            tools=body.tools or [],
             reasoning=None if body.reasoning is None else body.reasoning.model_dump(),
             usage=None if choice is None else self.response_usage(run, choice),
             user=body.user,
@@ -161,28 +176,27 @@ class ResponsesServing:
         return len(tokens)
 
     async def response_events(
-        self, body: ResponsesRequest, run: ChatRun, timer: RequestTimer, logprob_format: LogprobFormatter
+        self,
+        body: ResponsesRequest,
+        chat_body: ChatCompletionRequest,
+        run: ChatRun,
+        timer: RequestTimer,
+        logprob_format: LogprobFormatter,
     ) -> AsyncGenerator[str, None]:
         created = now()
         stream = ResponseStream(run)
         yield stream.event("response.created", response=self.envelope(body, run, created, [], None))
         yield stream.event("response.in_progress", response=self.envelope(body, run, created, [], None))
         thoughts = ReasoningStream(run.reasoning) if run.reasoning else None
+        calls = call_stream(chat_body, self.chat.parses_calls(chat_body))  # None: the answer is text
         choices = new_choices(run.submissions)
         try:
             async with aclosing(self.chat.choice_deltas(run.submissions, choices, timer)) as steps:
                 async for step in steps:
                     for item in step:
-                        text, finished = item.delta.text, item.delta.finish_reason is not None
-                        reasoning = ""
-                        if thoughts is not None:
-                            reasoning, text = thoughts.delta(text, finished)
-                        for event in stream.reasoning(reasoning):
-                            yield event
-                        logprobs = (
-                            logprob_format.chat(item.delta.logprobs or []).content if body.logprobs else []
-                        )
-                        for event in stream.text(text, logprobs):
+                        tokens = item.delta.logprobs or []
+                        logprobs = logprob_format.chat(tokens).content if body.logprobs and not calls else []
+                        for event in step_events(stream, item.delta, logprobs, thoughts, calls):
                             yield event
             (choice,) = choices
             for event in stream.close(item_status(choice)):
@@ -207,7 +221,8 @@ class ResponseStream:
         return f"event: {kind}\ndata: {json.dumps(to_jsonable_python(data, by_alias=True))}\n\n"
 
     def where(self) -> dict[str, object]:
-        return {"item_id": self.open.id, "output_index": len(self.items) - 1, "content_index": 0}
+        """Where the last item's content is: the open item, or the one finishing, is the last."""
+        return {"item_id": self.items[-1].id, "output_index": len(self.items) - 1, "content_index": 0}
 
     def reasoning(self, delta: str) -> list[str]:
         if not delta:
@@ -223,9 +238,8 @@ class ResponseStream:
         if not delta and not logprobs:
             return []
         events = []
-        if isinstance(self.open, ReasoningItem):
-            events += self.finish("completed")
-        if self.open is None:
+        if not isinstance(self.open, OutputMessage):
+            events += self.finish("completed") if self.open is not None else []
             events += self.start(
                 OutputMessage(id=item_id("msg", self.run), status="in_progress"), OutputText(text="")
             )
@@ -235,34 +249,94 @@ class ResponseStream:
         delta_event = self.event("response.output_text.delta", **self.where(), delta=delta, logprobs=logprobs)
         return [*events, delta_event]
 
+    def call(self, delta: DeltaToolCall) -> list[str]:
+        """A tool call's delta: its first (with the id and name) opens a function_call item."""
+        events = []
+        if delta.id is not None:
+            events += self.finish("completed") if self.open is not None else []
+            name = delta.function.name or ""
+            events += self.start(
+                FunctionCallItem(id=f"fc_{delta.id}", call_id=delta.id, name=name, status="in_progress")
+            )
+        if delta.function.arguments:
+            self.open.arguments += delta.function.arguments
+            index = len(self.items) - 1
+            events.append(
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=self.open.id,
+                    output_index=index,
+                    delta=delta.function.arguments,
+                )
+            )
+        return events
+
     def close(self, status: str) -> list[str]:
-        """The end: open items finish, and an answer that said nothing still gets its message."""
-        events = self.finish(status) if isinstance(self.open, ReasoningItem) else []
-        if self.open is None:
+        """The end: the open item finishes, and an answer that said nothing and called nothing
+        still gets its message."""
+        events = self.finish(status) if self.open is not None else []
+        if not any(isinstance(item, OutputMessage | FunctionCallItem) for item in self.items):
             events += self.start(
                 OutputMessage(id=item_id("msg", self.run), status="in_progress"), OutputText(text="")
             )
-        return events + self.finish(status)
+            events += self.finish(status)
+        return events
 
-    def start(self, item: OutputItem, part: OutputText | ReasoningText) -> list[str]:
+    def start(self, item: OutputItem, part: OutputText | ReasoningText | None = None) -> list[str]:
         self.items.append(item)
         self.open = item
         added = self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        if part is None:  # a function call has arguments, not content parts
+            return [added]
         item.content.append(part)
         return [added, self.event("response.content_part.added", **self.where(), part=part)]
 
     def finish(self, status: str) -> list[str]:
-        item, part = self.open, self.open.content[0]
+        item, index = self.open, len(self.items) - 1
+        self.open = None
         item.status = status
+        if isinstance(item, FunctionCallItem):
+            done = self.event(
+                "response.function_call_arguments.done",
+                item_id=item.id,
+                output_index=index,
+                name=item.name,
+                arguments=item.arguments,
+            )
+            return [done, self.event("response.output_item.done", output_index=index, item=item)]
+        part = item.content[0]
         kind = "reasoning_text" if isinstance(item, ReasoningItem) else "output_text"
         extra = {} if kind == "reasoning_text" else {"logprobs": part.logprobs}
         events = [
             self.event(f"response.{kind}.done", **self.where(), text=part.text, **extra),
             self.event("response.content_part.done", **self.where(), part=part),
-            self.event("response.output_item.done", output_index=len(self.items) - 1, item=item),
+            self.event("response.output_item.done", output_index=index, item=item),
         ]
-        self.open = None
         return events
+
+
+def step_events(
+    stream: ResponseStream,
+    delta: SampleDelta,
+    logprobs: list[TokenLogprob],
+    thoughts: ReasoningStream | None,
+    calls: ForcedCallStream | HermesStream | None,
+) -> list[str]:
+    """The events of one step's delta: its reasoning, then its text or the calls it makes."""
+    text, finished = delta.text, delta.finish_reason is not None
+    reasoning = ""
+    if thoughts is not None:
+        reasoning, text = thoughts.delta(text, finished)
+    events = stream.reasoning(reasoning)
+    if calls is None:
+        return events + stream.text(text, logprobs)
+    message = calls.delta(text, finished)
+    if message is None:
+        return events
+    events += stream.text(message.content or "", [])
+    for call in message.tool_calls or []:
+        events += stream.call(call)
+    return events
 
 
 def item_status(choice: Choice) -> str:

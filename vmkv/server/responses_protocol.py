@@ -12,13 +12,20 @@ from vmkv.server.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
     JsonSchema,
     JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    NonEmptyText,
     OpenAIModel,
     ReasoningEffort,
     ResponseFormat,
     Text,
     TokenLogprob,
+    ToolCall,
+    ToolDefinition,
     now,
 )
 
@@ -41,6 +48,52 @@ class InputMessage(OpenAIModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class FunctionCallInput(OpenAIModel):
+    """An earlier call of the model's, sent back with the conversation."""
+
+    type: Literal["function_call"]
+    call_id: NonEmptyText
+    name: NonEmptyText
+    arguments: Text
+    id: Text | None = None
+    status: Text | None = None
+
+
+class FunctionCallOutputInput(OpenAIModel):
+    """A tool's answer to an earlier call."""
+
+    type: Literal["function_call_output"]
+    call_id: NonEmptyText
+    output: Text
+    id: Text | None = None
+    status: Text | None = None
+
+
+class ReasoningInput(OpenAIModel):
+    """An earlier answer's reasoning item, sent back: chat templates do not render past
+    reasoning, so it is read and left out of the prompt."""
+
+    type: Literal["reasoning"]
+
+
+InputItem = InputMessage | FunctionCallInput | FunctionCallOutputInput | ReasoningInput
+
+
+class FunctionTool(OpenAIModel):
+    """The Responses API's function tool: chat's function definition, flattened."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: JsonSchema | None = None
+    strict: StrictBool | None = None
+
+
+class NamedFunctionChoice(OpenAIModel):
+    type: Literal["function"]
+    name: NonEmptyText
+
+
 class TextFormat(OpenAIModel):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: Text = "response"
@@ -60,7 +113,7 @@ class TextOptions(OpenAIModel):
 
 class ResponsesRequest(OpenAIModel):
     model: Text | None = None
-    input: Text | Annotated[list[InputMessage], Field(min_length=1)]
+    input: Text | Annotated[list[InputItem], Field(min_length=1)]
     instructions: Text | None = Field(default=None, description="A system message before the input.")
     max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=100.0)] = 1.0
@@ -72,12 +125,12 @@ class ResponsesRequest(OpenAIModel):
     metadata: dict[str, Text] | None = None
     user: Text | None = None
     store: StrictBool | None = Field(default=None, description="Accepted; this server stores no responses.")
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     truncation: Literal["disabled", "auto"] = "disabled"
     reasoning: ReasoningOptions | None = None
     # known and refused with a 400 when set (see docs/server.md)
-    tools: list[Any] | None = None
     previous_response_id: Text | None = None
     background: StrictBool | None = None
 
@@ -88,10 +141,21 @@ class ResponsesRequest(OpenAIModel):
     def as_chat(self) -> ChatCompletionRequest:
         """The same request as a chat completion: instructions first, as a system message."""
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
-        if isinstance(self.input, str):
-            messages.append(ChatMessage(role="user", content=self.input))
-        else:
-            messages += [ChatMessage(role=m.role, content=m.text) for m in self.input]
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, InputMessage):
+                messages.append(ChatMessage(role=item.role, content=item.text))
+            elif isinstance(item, FunctionCallInput):
+                call = ToolCall(
+                    id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
+                )
+                last = messages[-1] if messages else None
+                if last is not None and last.role == "assistant":  # calls after its text, or more calls
+                    last.tool_calls = [*(last.tool_calls or []), call]
+                else:
+                    messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+            elif isinstance(item, FunctionCallOutputInput):
+                messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
         text_format = self.text.format
         response_format = None
         if text_format.type != "text":
@@ -116,6 +180,21 @@ class ResponsesRequest(OpenAIModel):
             user=self.user,
             response_format=response_format,
             reasoning_effort=None if self.reasoning is None else self.reasoning.effort,
+            tools=[
+                ToolDefinition(
+                    type="function",
+                    function=FunctionDefinition(
+                        name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
+                    ),
+                )
+                for t in self.tools
+            ]
+            if self.tools
+            else None,
+            tool_choice=NamedToolChoice(type="function", function=NamedFunction(name=self.tool_choice.name))
+            if isinstance(self.tool_choice, NamedFunctionChoice)
+            else self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls,
         )
 
 
@@ -134,6 +213,15 @@ class OutputMessage(BaseModel):
     content: list[OutputText] = Field(default_factory=list)
 
 
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str = ""
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class ReasoningText(BaseModel):
     type: Literal["reasoning_text"] = "reasoning_text"
     text: str
@@ -147,7 +235,7 @@ class ReasoningItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = OutputMessage | ReasoningItem
+OutputItem = OutputMessage | ReasoningItem | FunctionCallItem
 
 
 class InputTokensDetails(BaseModel):
@@ -189,8 +277,8 @@ class ResponseObject(BaseModel):
     top_p: float
     top_logprobs: int | None = None
     text: dict[str, Any]
-    tool_choice: str = "none"
-    tools: list[Any] = Field(default_factory=list)
+    tool_choice: str | NamedFunctionChoice = "auto"
+    tools: list[FunctionTool] = Field(default_factory=list)
     truncation: str = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None
