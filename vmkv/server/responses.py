@@ -42,7 +42,7 @@ from vmkv.server.responses_protocol import (
 )
 from vmkv.server.serving import Choice, new_choices
 from vmkv.server.streaming import EventStreamResponse
-from vmkv.server.tool_calls import ForcedCallStream, answer_calls, call_stream
+from vmkv.server.tool_calls import ForcedCallStream, answer_calls, call_stream, forces_calls
 from vmkv.server.tool_parser import HermesStream
 
 # the chat request's fields an error may name -> this request's field they come from
@@ -104,9 +104,12 @@ class ResponsesServing:
             output.append(
                 ReasoningItem(id=item_id("rs", run), content=[ReasoningText(text=reasoning)], status=status)
             )
-        content, calls = answer_calls(chat_body, text or "", chat.parses_calls(chat_body))
+        parses = chat.parses_calls(chat_body)
+        content, calls = answer_calls(chat_body, text or "", parses)
         if content or not calls:
-            logprobs = logprob_format.chat(choice.logprobs).content if body.logprobs and not calls else []
+            # an answer that may call tools carries none, streamed or not (its tokens may be calls)
+            may_call = parses or forces_calls(chat_body)
+            logprobs = logprob_format.chat(choice.logprobs).content if body.logprobs and not may_call else []
             parts = [OutputText(text=content or "", logprobs=logprobs)]
             output.append(OutputMessage(id=item_id("msg", run), status=status, content=parts))
         output += [
