@@ -40,7 +40,7 @@ from vmkv.server.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from vmkv.server.serving import Choice, new_choices
+from vmkv.server.serving import Choice, new_choices, usage
 from vmkv.server.streaming import EventStreamResponse
 from vmkv.server.tool_calls import ForcedCallStream, answer_calls, call_stream, forces_calls
 from vmkv.server.tool_parser import HermesStream
@@ -159,13 +159,16 @@ class ResponsesServing:
         )
 
     def response_usage(self, run: ChatRun, choice: Choice) -> ResponseUsage:
-        input_tokens = len(run.submissions[0].prompt_ids)
+        """The chat answer's usage, under the Responses API's names, with its reasoning tokens."""
+        counted = usage(run.submissions, [choice])
         return ResponseUsage(
-            input_tokens=input_tokens,
-            input_tokens_details=InputTokensDetails(cached_tokens=choice.num_cached_tokens),
-            output_tokens=choice.num_tokens,
+            input_tokens=counted.prompt_tokens,
+            input_tokens_details=InputTokensDetails(
+                cached_tokens=counted.prompt_tokens_details.cached_tokens
+            ),
+            output_tokens=counted.completion_tokens,
             output_tokens_details=OutputTokensDetails(reasoning_tokens=self.reasoning_tokens(run, choice)),
-            total_tokens=input_tokens + choice.num_tokens,
+            total_tokens=counted.total_tokens,
         )
 
     def reasoning_tokens(self, run: ChatRun, choice: Choice) -> int:
