@@ -1272,11 +1272,9 @@ def test_a_response_takes_a_conversation_a_schema_and_returns_logprobs(client: o
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
-        ({"background": True}, "background"),
         ({"reasoning": {"summary": "auto"}}, "reasoning"),
         ({"max_output_tokens": 10_000}, "max_output_tokens"),
         ({"input": "x" * 100_000}, "input"),
@@ -1373,3 +1371,16 @@ def test_a_response_makes_the_calls_chat_makes_whole_and_streamed(client: openai
     )
     assert answered.usage.input_tokens == chat_answered.usage.prompt_tokens
     assert answered.output[0].type == "message"
+
+    # the forced call continued by its id: the kept call is the conversation's, as if sent whole
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    after = dict(tools=RESPONSE_TOOLS, tool_choice="none", max_output_tokens=1)
+    continued = client.responses.create(model=MODEL, previous_response_id=whole.id, input=[output], **after)
+    sent_call = {
+        "type": "function_call",
+        "call_id": call.call_id,
+        "name": "weather",
+        "arguments": call.arguments,
+    }
+    resent = client.responses.create(model=MODEL, input=[*ASK, sent_call, output], **after)
+    assert continued.usage.input_tokens == resent.usage.input_tokens

@@ -753,8 +753,8 @@ def test_fuzzed_requests_never_get_a_server_error(fuzz_url: str, mode: Generatio
     schema = schemathesis.openapi.from_url(f"{fuzz_url}/openapi.json")
     for result in schema.get_all_operations():
         operation = result.ok()
-        if mode is GenerationMode.NEGATIVE and operation.method.upper() != "POST":
-            continue  # a GET without parameters has no invalid form
+        if mode is GenerationMode.NEGATIVE and (operation.method.upper() != "POST" or not operation.body):
+            continue  # a GET, or a POST with only a path's string in it, has no invalid form
 
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(

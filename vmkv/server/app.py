@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from vmkv.server.chat import ChatServing
@@ -32,8 +32,9 @@ from vmkv.server.protocol import (
     VersionResponse,
 )
 from vmkv.server.reasoning import REASONING_PARSERS
+from vmkv.server.response_store import DEFAULT_STORE_MIB, ResponseStore
 from vmkv.server.responses import ResponsesServing
-from vmkv.server.responses_protocol import ResponseObject, ResponsesRequest
+from vmkv.server.responses_protocol import ResponseDeleted, ResponseObject, ResponsesRequest
 from vmkv.server.tool_calls import template_tools
 from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
@@ -62,6 +63,7 @@ def build_app(
     limits: RequestLimits | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -70,7 +72,8 @@ def build_app(
     (/health, /version) wants `Authorization: Bearer <one of them>`; /metrics too unless
     `open_metrics`. `tool_call_parser` (one of TOOL_CALL_PARSERS) reads the calls a model makes
     with tool_choice "auto"; without one, "auto" is refused. `reasoning_parser` (one of
-    REASONING_PARSERS) splits a reasoning model's thinking from its answer.
+    REASONING_PARSERS) splits a reasoning model's thinking from its answer. `response_store`
+    keeps /v1/responses answers (a store of DEFAULT_STORE_MIB without one).
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
@@ -79,7 +82,8 @@ def build_app(
     serving_metrics, limits = ServingMetrics(served_model_name), limits or RequestLimits()
     completions = CompletionServing(engine, served_model_name, serving_metrics, limits)
     chat = ChatServing(engine, served_model_name, serving_metrics, limits, tool_call_parser, reasoning_parser)
-    responses = ResponsesServing(chat)
+    store = response_store or ResponseStore(int(DEFAULT_STORE_MIB * 2**20))
+    responses = ResponsesServing(chat, store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -113,6 +117,20 @@ def build_app(
     @api.post("/v1/responses", response_model=None, responses=stream_or_json(ResponseObject))
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await responses.create(body, request)
+
+    @api.get("/v1/responses/{response_id}", response_model=None, responses=stream_or_json(ResponseObject))
+    async def retrieve_response(
+        response_id: str, stream: bool = False, starting_after: int | None = Query(default=None, ge=0)
+    ) -> Response:
+        return responses.retrieve(response_id, stream, starting_after)
+
+    @api.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> ResponseObject:
+        return await responses.cancel(response_id)
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> ResponseDeleted:
+        return await responses.delete(response_id)
 
     def model_card() -> ModelCard:
         return ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)

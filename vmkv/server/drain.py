@@ -25,14 +25,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_GRACE_SECONDS = 30.0
 RETRY_AFTER_SECONDS = 5
 FLUSH_SECONDS = 2.0  # for the streams the engine's stop just ended to send their last events
-DRAINED_PATHS = ("/v1/completions", "/v1/chat/completions", "/health")
+DRAINED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/health")
 
 
 class Drain:
-    """ASGI middleware: counts generation requests in flight, refuses new work once draining."""
+    """ASGI middleware: counts generation requests in flight, refuses new work once draining.
+    `background` counts the work that runs on after its request has returned (background
+    responses), which a drain lets finish too."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, background: Callable[[], int] = lambda: 0) -> None:
         self.app = app
+        self.background = background
         self.draining = False
         self.in_flight = 0
 
@@ -55,9 +58,13 @@ class Drain:
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation request is in flight; False if `timeout` passed first."""
         deadline = time.monotonic() + timeout
-        while self.in_flight and time.monotonic() < deadline:
+        while self.busy and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return not self.in_flight
+        return not self.busy
+
+    @property
+    def busy(self) -> int:
+        return self.in_flight + self.background()
 
 
 class DrainingServer(uvicorn.Server):
@@ -82,9 +89,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     async def _drain_then_exit(self) -> None:
-        logger.info("draining: %d requests in flight, up to %.0f s", self.drain.in_flight, self.grace_seconds)
+        logger.info("draining: %d requests in flight, up to %.0f s", self.drain.busy, self.grace_seconds)
         if not await self.drain.wait_idle(self.grace_seconds):
-            logger.warning("grace period over: ending %d requests with an error", self.drain.in_flight)
+            logger.warning("grace period over: ending %d requests with an error", self.drain.busy)
         await asyncio.to_thread(self.stop_engine)
         await self.drain.wait_idle(FLUSH_SECONDS)
         self.should_exit = True

@@ -29,6 +29,7 @@ from vmkv.server.limits import RequestLimits
 from vmkv.server.reasoning import END as THINK_END
 from vmkv.server.reasoning import REASONING_PARSERS
 from vmkv.server.reasoning import START as THINK_START
+from vmkv.server.response_store import DEFAULT_STORE_MIB, ResponseStore
 from vmkv.server.tool_parser import START as TOOL_CALL_START
 from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
@@ -106,6 +107,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="split a reasoning model's <think>...</think> from its answer into the message's `reasoning` "
         "(deepseek_r1: thinking from the start, the opening tag optional; qwen3: only an answer that "
         "opens with <think>)",
+    )
+    server.add_argument(
+        "--responses-store-mib",
+        type=non_negative_float,
+        default=DEFAULT_STORE_MIB,
+        help="memory for /v1/responses answers kept to fetch, continue (previous_response_id) or run in "
+        "the background; past it the least recently used go first; 0 keeps none",
     )
     server.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -214,6 +222,7 @@ def serve_main(args: argparse.Namespace) -> None:
             "unless a request sets skip_special_tokens to false",
             tag,
         )
+    response_store = ResponseStore(int(args.responses_store_mib * 2**20))
     app = build_app(
         engine,
         served_model_name(args),
@@ -229,8 +238,9 @@ def serve_main(args: argparse.Namespace) -> None:
         owns_engine=True,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        response_store=response_store,
     )
-    drain = Drain(app)
+    drain = Drain(app, background=lambda: response_store.num_running)
     freeze_start_up_heap()
     config = uvicorn.Config(
         drain, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5

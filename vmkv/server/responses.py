@@ -2,12 +2,16 @@
 completion (instructions as a system message, `text.format` as response_format), and its one
 answer comes back as output items: a reasoning item when a reasoning parser splits one off,
 then the assistant message; streamed as the API's typed events, each with its sequence number.
-Nothing is stored, so a response cannot be fetched again or continued by its id."""
+Unless `store` is false, the response is kept (response_store.py): fetched again, continued by
+`previous_response_id`, and with `background` run after the request returns, to be polled,
+followed as a stream or cancelled."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -19,12 +23,21 @@ from pydantic_core import to_jsonable_python
 from vmkv.engine import RequestRejected
 from vmkv.server.chat import ChatRun, ChatServing
 from vmkv.server.engine_client import EngineDeadError, RequestFailed, SampleDelta
-from vmkv.server.errors import APIError
+from vmkv.server.errors import APIError, bad_request
 from vmkv.server.logprobs import LogprobFormatter
 from vmkv.server.metrics import RequestTimer
-from vmkv.server.protocol import ChatCompletionRequest, DeltaToolCall, TokenLogprob, now
+from vmkv.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    DeltaToolCall,
+    FunctionCall,
+    TokenLogprob,
+    ToolCall,
+    now,
+)
 from vmkv.server.reasoning import ReasoningStream, split_reasoning
 from vmkv.server.refusals import Refusal, check_supported
+from vmkv.server.response_store import ResponseStore, StoredResponse
 from vmkv.server.responses_protocol import (
     INCLUDE_LOGPROBS,
     FunctionCallItem,
@@ -36,6 +49,7 @@ from vmkv.server.responses_protocol import (
     OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
+    ResponseDeleted,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -44,6 +58,8 @@ from vmkv.server.serving import Choice, new_choices, usage
 from vmkv.server.streaming import EventStreamResponse
 from vmkv.server.tool_calls import ForcedCallStream, answer_calls, call_stream, forces_calls
 from vmkv.server.tool_parser import HermesStream
+
+logger = logging.getLogger(__name__)
 
 # the chat request's fields an error may name -> this request's field they come from
 CHAT_FIELDS = {
@@ -55,15 +71,23 @@ CHAT_FIELDS = {
 }
 
 
-def response_refusals(body: ResponsesRequest) -> list[Refusal]:
+def response_refusals(body: ResponsesRequest, keeps: bool) -> list[Refusal]:
     return [
-        ("previous_response_id", body.previous_response_id is not None, "this server stores no responses"),
+        (
+            "previous_response_id",
+            body.previous_response_id is not None and not keeps,
+            "this server keeps no responses (--responses-store-mib 0)",
+        ),
+        (
+            "background",
+            bool(body.background) and not keeps,
+            "this server keeps no responses (--responses-store-mib 0), and a background one is fetched later",
+        ),
         (
             "reasoning",
             body.reasoning is not None and body.reasoning.summary is not None,
             "reasoning summaries are not written; the reasoning comes whole, in a reasoning item",
         ),
-        ("background", bool(body.background), "responses are answered in the request"),
         ("truncation", body.truncation == "auto", "a prompt too long is refused, not cut"),
         (
             "include",
@@ -73,45 +97,94 @@ def response_refusals(body: ResponsesRequest) -> list[Refusal]:
     ]
 
 
-class ResponsesServing:
-    """Over the chat endpoint's serving: its checks, rendering, engine requests and metrics."""
+@dataclass
+class ResponseRun:
+    """A response request made ready: its chat form, its engine request, and whether it is kept."""
 
-    def __init__(self, chat: ChatServing) -> None:
+    body: ResponsesRequest
+    chat_body: ChatCompletionRequest
+    chat_run: ChatRun
+    conversation: list[ChatMessage]  # without the instructions: where a continuation starts
+    keep: bool
+    created: int = field(default_factory=now)
+
+    @property
+    def id(self) -> str:
+        return self.chat_run.request_id
+
+
+class ResponsesServing:
+    """Over the chat endpoint's serving (its checks, rendering, engine requests and metrics),
+    with the store that keeps responses to fetch, continue and run in the background."""
+
+    def __init__(self, chat: ChatServing, store: ResponseStore) -> None:
         self.chat = chat
+        self.store = store
+        self.logprob_format = LogprobFormatter(chat.tokenizer, False)
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
-        check_supported(response_refusals(body))
-        chat, chat_body = self.chat, body.as_chat()
+        check_supported(response_refusals(body, self.store.enabled))
+        if body.background and body.store is False:
+            raise bad_request("a background response is kept to be fetched: store cannot be false", "store")
+        previous = self.previous(body)
+        conversation = body.conversation(previous.conversation if previous else [])
+        chat_body = body.as_chat(conversation)
         try:
-            run = await chat.prepare(chat_body, id_prefix="resp")
+            chat_run = await self.chat.prepare(chat_body, id_prefix="resp")
         except APIError as error:  # the chat request's field names, as this request spells them
             error.param = CHAT_FIELDS.get(error.param, error.param)
             raise
-        logprob_format = LogprobFormatter(chat.tokenizer, False)
-        timer = chat.metrics.timer()
+        keep = self.store.enabled and body.store is not False
+        run = ResponseRun(body, chat_body, chat_run, conversation, keep)
+        timer = self.chat.metrics.timer()
+        if body.background:
+            return self.start_in_background(run, timer)
         if body.stream:
-            return EventStreamResponse(self.response_events(body, chat_body, run, timer, logprob_format))
-        choices = await chat.collect_or_answer_disconnect(request, run.submissions, timer)
+            return EventStreamResponse(self.kept_events(run, timer))
+        choices = await self.chat.collect_or_answer_disconnect(request, chat_run.submissions, timer)
         if isinstance(choices, Response):
             return choices
-        (choice,) = choices
+        response = self.answer(run, choices[0])
+        self.keep(run, response)
+        return JSONResponse(response.model_dump(by_alias=True))
+
+    def previous(self, body: ResponsesRequest) -> StoredResponse | None:
+        """The stored response a request continues, once its run has ended."""
+        if body.previous_response_id is None:
+            return None
+        entry = self.store.get(body.previous_response_id, param="previous_response_id")
+        if entry.running:
+            raise bad_request(
+                f"response {body.previous_response_id!r} is still running; continue it once it has finished",
+                "previous_response_id",
+            )
+        return entry
+
+    def keep(self, run: ResponseRun, response: ResponseObject) -> None:
+        if run.keep:
+            self.store.add(StoredResponse(response, run.conversation + [answer_message(response)]))
+
+    # ------------------------------------------------------------------------ answering
+    def answer(self, run: ResponseRun, choice: Choice) -> ResponseObject:
+        """The finished response of a whole answer."""
+        chat_run, chat_body = run.chat_run, run.chat_body
         reasoning, text = (
-            split_reasoning(choice.text, run.reasoning) if run.reasoning else (None, choice.text)
+            split_reasoning(choice.text, chat_run.reasoning) if chat_run.reasoning else (None, choice.text)
         )
         status = item_status(choice)
         output: list[OutputItem] = []
         if reasoning is not None:
-            output.append(
-                ReasoningItem(id=item_id("rs", run), content=[ReasoningText(text=reasoning)], status=status)
-            )
-        parses = chat.parses_calls(chat_body)
+            thinking = [ReasoningText(text=reasoning)]
+            output.append(ReasoningItem(id=item_id("rs", run.id), content=thinking, status=status))
+        parses = self.chat.parses_calls(chat_body)
         content, calls = answer_calls(chat_body, text or "", parses)
         if content or not calls:
             # an answer that may call tools carries none, streamed or not (its tokens may be calls)
             may_call = parses or forces_calls(chat_body)
-            logprobs = logprob_format.chat(choice.logprobs).content if body.logprobs and not may_call else []
+            wanted = run.body.logprobs and not may_call
+            logprobs = self.logprob_format.chat(choice.logprobs).content if wanted else []
             parts = [OutputText(text=content or "", logprobs=logprobs)]
-            output.append(OutputMessage(id=item_id("msg", run), status=status, content=parts))
+            output.append(OutputMessage(id=item_id("msg", run.id), status=status, content=parts))
         output += [
             FunctionCallItem(
                 id=f"fc_{call.id}",
@@ -122,22 +195,26 @@ class ResponsesServing:
             )
             for call in calls or []
         ]
-        return JSONResponse(self.envelope(body, run, now(), output, choice).model_dump(by_alias=True))
+        return self.envelope(run, output, choice)
 
     def envelope(
         self,
-        body: ResponsesRequest,
-        run: ChatRun,
-        created: int,
+        run: ResponseRun,
         output: list[OutputItem],
         choice: Choice | None,
+        status: str | None = None,
+        error: str | None = None,
     ) -> ResponseObject:
-        """The response object: in progress while `choice` is None, else finished with its usage."""
-        status = "in_progress" if choice is None else item_status(choice)
+        """The response object: in progress (or `status`) while `choice` is None, else finished
+        with its usage."""
+        body = run.body
+        status = status or ("in_progress" if choice is None else item_status(choice))
         return ResponseObject(
-            id=run.request_id,
-            created_at=created,
+            id=run.id,
+            created_at=run.created,
             status=status,
+            background=bool(body.background),
+            error=None if error is None else {"code": "server_error", "message": error},
             incomplete_details=IncompleteDetails(reason="max_output_tokens")
             if status == "incomplete"
             else None,
@@ -146,6 +223,8 @@ class ResponsesServing:
             model=self.chat.model_name,
             output=output,
             parallel_tool_calls=body.parallel_tool_calls is not False,
+            previous_response_id=body.previous_response_id,
+            store=run.keep,
             temperature=body.temperature,
             top_p=body.top_p,
             top_logprobs=body.top_logprobs,
@@ -153,7 +232,7 @@ class ResponsesServing:
             tool_choice=body.tool_choice or "auto",
             tools=body.tools or [],
             reasoning=None if body.reasoning is None else body.reasoning.model_dump(),
-            usage=None if choice is None else self.response_usage(run, choice),
+            usage=None if choice is None else self.response_usage(run.chat_run, choice),
             user=body.user,
             metadata=body.metadata or {},
         )
@@ -181,45 +260,137 @@ class ResponsesServing:
                 return i + len(end)
         return len(tokens)
 
+    # ------------------------------------------------------------------------ streaming
     async def response_events(
-        self,
-        body: ResponsesRequest,
-        chat_body: ChatCompletionRequest,
-        run: ChatRun,
-        timer: RequestTimer,
-        logprob_format: LogprobFormatter,
+        self, run: ResponseRun, timer: RequestTimer, stream: ResponseStream
     ) -> AsyncGenerator[str, None]:
-        created = now()
-        stream = ResponseStream(run)
-        yield stream.event("response.created", response=self.envelope(body, run, created, [], None))
-        yield stream.event("response.in_progress", response=self.envelope(body, run, created, [], None))
-        thoughts = ReasoningStream(run.reasoning) if run.reasoning else None
+        """The stream's events; at the end `stream.final` is the finished (or failed) response."""
+        chat_run, chat_body = run.chat_run, run.chat_body
+        yield stream.event("response.created", response=self.envelope(run, [], None))
+        yield stream.event("response.in_progress", response=self.envelope(run, [], None))
+        thoughts = ReasoningStream(chat_run.reasoning) if chat_run.reasoning else None
         calls = call_stream(chat_body, self.chat.parses_calls(chat_body))  # None: the answer is text
-        choices = new_choices(run.submissions)
+        choices = new_choices(chat_run.submissions)
+        wanted = run.body.logprobs and not calls  # logprobs, of an answer that is text
         try:
-            async with aclosing(self.chat.choice_deltas(run.submissions, choices, timer)) as steps:
+            async with aclosing(self.chat.choice_deltas(chat_run.submissions, choices, timer)) as steps:
                 async for step in steps:
                     for item in step:
                         tokens = item.delta.logprobs or []
-                        logprobs = logprob_format.chat(tokens).content if body.logprobs and not calls else []
+                        logprobs = self.logprob_format.chat(tokens).content if wanted else []
                         for event in step_events(stream, item.delta, logprobs, thoughts, calls):
                             yield event
             (choice,) = choices
             for event in stream.close(item_status(choice)):
                 yield event
-            final = self.envelope(body, run, created, stream.items, choice)
-            yield stream.event(f"response.{final.status}", response=final)
+            stream.final = self.envelope(run, stream.items, choice)
+            yield stream.event(f"response.{stream.final.status}", response=stream.final)
         except (EngineDeadError, RequestFailed, RequestRejected) as error:
+            stream.final = self.envelope(run, stream.items, None, status="failed", error=str(error))
             yield stream.event("error", code=type(error).__name__, message=str(error), param=None)
+
+    async def kept_events(self, run: ResponseRun, timer: RequestTimer) -> AsyncGenerator[str, None]:
+        """A stream answered in its request, its response kept once it has ended."""
+        stream = ResponseStream(run.id)
+        async with aclosing(self.response_events(run, timer, stream)) as events:
+            async for event in events:
+                yield event
+        self.keep(run, stream.final)
+
+    # ------------------------------------------------------------------------ background
+    def start_in_background(self, run: ResponseRun, timer: RequestTimer) -> Response:
+        """Queue the response's run and answer at once: with the queued response, or with a
+        stream that follows the run (its client may leave; the run goes on)."""
+        entry = StoredResponse(
+            self.envelope(run, [], None, status="queued"),
+            conversation=run.conversation,
+            events=[] if run.body.stream else None,
+            done=False,
+        )
+        self.store.add(entry)
+        entry.run = asyncio.create_task(self.run_in_background(run, entry, timer))
+        if run.body.stream:
+            return EventStreamResponse(entry.follow(None))
+        return JSONResponse(entry.response.model_dump(by_alias=True))
+
+    async def run_in_background(self, run: ResponseRun, entry: StoredResponse, timer: RequestTimer) -> None:
+        """Run a background response to its end, keeping its state (and events) as it goes."""
+        entry.response.status = "in_progress"
+        try:
+            if entry.events is None:
+                choices = await self.chat.collect(run.chat_run.submissions, timer)
+                entry.response = self.answer(run, choices[0])
+            else:
+                stream = ResponseStream(run.id)
+                async with aclosing(self.response_events(run, timer, stream)) as events:
+                    async for event in events:
+                        entry.append(event)
+                entry.response = stream.final
+            entry.conversation = run.conversation + [answer_message(entry.response)]
+        except (EngineDeadError, RequestFailed, RequestRejected) as error:
+            entry.response = self.envelope(run, [], None, status="failed", error=str(error))
+        except Exception:  # a fault here: logged, and the response fails rather than hangs
+            logger.exception("background response %s failed", run.id)
+            entry.response = self.envelope(run, [], None, status="failed", error="internal error")
+        except asyncio.CancelledError:
+            entry.response.status = "cancelled"
+            raise
+        finally:
+            entry.done = True
+            entry.wake()
+            self.store.finished(entry)
+
+    # ------------------------------------------------------------------------ stored responses
+    def retrieve(self, response_id: str, stream: bool, starting_after: int | None) -> Response:
+        """A stored response, or with `stream` a background stream's events again (from after
+        `starting_after`), following the run while it goes on."""
+        entry = self.store.get(response_id)
+        if not stream:
+            return JSONResponse(entry.response.model_dump(by_alias=True))
+        if entry.events is None:
+            raise bad_request(
+                f"response {response_id!r} was not streamed in the background, so it has no events to "
+                "stream again; fetch it without stream",
+                "stream",
+            )
+        return EventStreamResponse(entry.follow(starting_after))
+
+    async def cancel(self, response_id: str) -> ResponseObject:
+        """Stop a background response's run (its engine request is aborted, its KV freed)."""
+        entry = self.store.get(response_id)
+        if entry.run is None:
+            raise bad_request(
+                f"response {response_id!r} was answered in its request: only a background one can be "
+                "cancelled",
+                "response_id",
+            )
+        if entry.running:
+            entry.run.cancel()
+            await asyncio.wait([entry.run])
+        elif entry.response.status != "cancelled":
+            raise bad_request(
+                f"response {response_id!r} has already ended ({entry.response.status})", "response_id"
+            )
+        return entry.response
+
+    async def delete(self, response_id: str) -> ResponseDeleted:
+        """Forget a stored response, cancelling its run if it still goes on."""
+        entry = self.store.get(response_id)
+        if entry.running:
+            entry.run.cancel()
+            await asyncio.wait([entry.run])
+        self.store.delete(response_id)
+        return ResponseDeleted(id=response_id)
 
 
 @dataclass
 class ResponseStream:
     """The output items of a streamed response as they open, grow and close, as events."""
 
-    run: ChatRun
+    response_id: str
     items: list[OutputItem] = field(default_factory=list)
     open: OutputItem | None = None
+    final: ResponseObject | None = None  # the finished (or failed) response, once the stream ends
     sequence: itertools.count = field(default_factory=itertools.count)
 
     def event(self, kind: str, **fields: object) -> str:
@@ -235,7 +406,7 @@ class ResponseStream:
             return []
         events = []
         if self.open is None:
-            item = ReasoningItem(id=item_id("rs", self.run), status="in_progress")
+            item = ReasoningItem(id=item_id("rs", self.response_id), status="in_progress")
             events += self.start(item, ReasoningText(text=""))
         self.open.content[0].text += delta
         return [*events, self.event("response.reasoning_text.delta", **self.where(), delta=delta)]
@@ -247,7 +418,7 @@ class ResponseStream:
         if not isinstance(self.open, OutputMessage):
             events += self.finish("completed") if self.open is not None else []
             events += self.start(
-                OutputMessage(id=item_id("msg", self.run), status="in_progress"), OutputText(text="")
+                OutputMessage(id=item_id("msg", self.response_id), status="in_progress"), OutputText(text="")
             )
         part = self.open.content[0]
         part.text += delta
@@ -283,7 +454,7 @@ class ResponseStream:
         events = self.finish(status) if self.open is not None else []
         if not any(isinstance(item, OutputMessage | FunctionCallItem) for item in self.items):
             events += self.start(
-                OutputMessage(id=item_id("msg", self.run), status="in_progress"), OutputText(text="")
+                OutputMessage(id=item_id("msg", self.response_id), status="in_progress"), OutputText(text="")
             )
             events += self.finish(status)
         return events
@@ -349,5 +520,19 @@ def item_status(choice: Choice) -> str:
     return "incomplete" if choice.finish_reason == "length" else "completed"
 
 
-def item_id(prefix: str, run: ChatRun) -> str:
-    return f"{prefix}_{run.request_id.removeprefix('resp-')}"
+def item_id(prefix: str, response_id: str) -> str:
+    return f"{prefix}_{response_id.removeprefix('resp-')}"
+
+
+def answer_message(response: ResponseObject) -> ChatMessage:
+    """A response's answer as the assistant message a continuation's conversation holds: its
+    text and its calls (chat templates do not render past reasoning, so that is left out)."""
+    text = "".join(
+        part.text for item in response.output if isinstance(item, OutputMessage) for part in item.content
+    )
+    calls = [
+        ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+        for item in response.output
+        if isinstance(item, FunctionCallItem)
+    ]
+    return ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)

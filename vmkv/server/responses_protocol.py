@@ -1,6 +1,7 @@
 """Bodies of OpenAI's Responses API (/v1/responses), the part a text model serves: text or a
-conversation in, one assistant message out (after a reasoning item, with a reasoning parser),
-whole or as the API's typed stream events."""
+conversation in (or a stored response's conversation continued), one assistant message out
+(after a reasoning item, with a reasoning parser), whole, as the API's typed stream events, or
+in the background."""
 
 from __future__ import annotations
 
@@ -124,13 +125,14 @@ class ResponsesRequest(OpenAIModel):
     text: TextOptions = Field(default_factory=TextOptions)
     metadata: dict[str, Text] | None = None
     user: Text | None = None
-    store: StrictBool | None = Field(default=None, description="Accepted; this server stores no responses.")
+    store: StrictBool | None = Field(
+        default=None, description="Unless false, the response is kept (see --responses-store-mib)."
+    )
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     truncation: Literal["disabled", "auto"] = "disabled"
     reasoning: ReasoningOptions | None = None
-    # known and refused with a 400 when set (see docs/server.md)
     previous_response_id: Text | None = None
     background: StrictBool | None = None
 
@@ -138,9 +140,11 @@ class ResponsesRequest(OpenAIModel):
     def logprobs(self) -> bool:
         return INCLUDE_LOGPROBS in (self.include or [])
 
-    def as_chat(self) -> ChatCompletionRequest:
-        """The same request as a chat completion: instructions first, as a system message."""
-        messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+    def conversation(self, previous: list[ChatMessage]) -> list[ChatMessage]:
+        """The messages after the instructions: a stored response's conversation (`previous`),
+        then this input. Instructions are not part of it: as OpenAI's, a continuation does not
+        inherit them."""
+        messages = [message.model_copy(deep=True) for message in previous]
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for item in items:
             if isinstance(item, InputMessage):
@@ -156,6 +160,13 @@ class ResponsesRequest(OpenAIModel):
                     messages.append(ChatMessage(role="assistant", tool_calls=[call]))
             elif isinstance(item, FunctionCallOutputInput):
                 messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
+        return messages
+
+    def as_chat(self, conversation: list[ChatMessage]) -> ChatCompletionRequest:
+        """The same request as a chat completion: instructions first, as a system message, then
+        the conversation."""
+        system = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        messages = system + conversation
         text_format = self.text.format
         response_format = None
         if text_format.type != "text":
@@ -262,7 +273,8 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=now)
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+    background: bool = False
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
@@ -270,9 +282,9 @@ class ResponseObject(BaseModel):
     model: str
     output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
-    store: bool = False  # nothing is kept: the answer is only in this response
+    store: bool = False  # whether it is kept, to fetch or continue by its id
     temperature: float
     top_p: float
     top_logprobs: int | None = None
@@ -283,3 +295,9 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True
