@@ -21,7 +21,8 @@ from vmkv.engine import AsyncLLM, RequestRejected
 from vmkv.engine.structured_output import check_structured
 from vmkv.model.store import load_tokenizer
 from vmkv.server import EngineClient, build_app
-from vmkv.server.chat import template_message, template_variables
+from vmkv.server.chat import template_message
+from vmkv.server.chat_template import template_variables
 from vmkv.server.protocol import ChatCompletionRequest
 from vmkv.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from vmkv.server.tool_calls import answer_calls, forced_tool

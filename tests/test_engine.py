@@ -320,6 +320,8 @@ def test_chat_renders_conversations_with_the_template_as_the_server_does(tiny_mo
     (one,) = llm.chat(first, params)
     both = llm.chat([first, second], params, continue_final_message=True, add_generation_prompt=False)
     thinking_off = llm.chat(first, params, chat_template_kwargs={"enable_thinking": False})[0]
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    (templated,) = llm.chat(first, params, chat_template=plain)
     llm.close()
     rendered = [
         tokenizer.apply_chat_template(
@@ -337,6 +339,10 @@ def test_chat_renders_conversations_with_the_template_as_the_server_does(tiny_mo
     ]
     assert tokenizer.decode(both[1].prompt_token_ids).endswith("Blue")  # left open for the answer
     assert tokenizer.decode(thinking_off.prompt_token_ids).endswith("</think>\n\n")
+    assert (
+        templated.prompt_token_ids
+        == tokenizer("user: Hi!\nassistant:", add_special_tokens=False)["input_ids"]
+    )
     assert one.outputs[0].token_ids
 
 

@@ -73,13 +73,15 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, object] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for one conversation or a list, each rendered with the model's chat template
         as the server's chat endpoint renders it (vLLM's LLM.chat): `tools` go to templates that
-        describe them, chat_template_kwargs are the template's own variables, and
-        continue_final_message leaves the last message open for the answer to continue."""
-        if not self.tokenizer.chat_template:
-            raise ValueError("this model has no chat template; use generate() with a prompt")
+        describe them, chat_template_kwargs are the template's own variables,
+        continue_final_message leaves the last message open for the answer to continue, and
+        `chat_template` (Jinja text) renders in place of the model's template."""
+        if not (chat_template or self.tokenizer.chat_template):
+            raise ValueError("this model has no chat template; give one, or use generate() with a prompt")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             self.tokenizer(
@@ -89,6 +91,7 @@ class LLM:
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
+                    chat_template=chat_template,
                     **(chat_template_kwargs or {}),
                 ),
                 add_special_tokens=False,  # the template wrote them

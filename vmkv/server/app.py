@@ -64,6 +64,8 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     response_store: ResponseStore | None = None,
+    chat_template: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -73,7 +75,9 @@ def build_app(
     `open_metrics`. `tool_call_parser` (one of TOOL_CALL_PARSERS) reads the calls a model makes
     with tool_choice "auto"; without one, "auto" is refused. `reasoning_parser` (one of
     REASONING_PARSERS) splits a reasoning model's thinking from its answer. `response_store`
-    keeps /v1/responses answers (a store of DEFAULT_STORE_MIB without one).
+    keeps /v1/responses answers (a store of DEFAULT_STORE_MIB without one). `chat_template`
+    renders chats in place of the model's; with `trust_request_chat_template`, a request may
+    bring its own.
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
@@ -81,7 +85,16 @@ def build_app(
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
     serving_metrics, limits = ServingMetrics(served_model_name), limits or RequestLimits()
     completions = CompletionServing(engine, served_model_name, serving_metrics, limits)
-    chat = ChatServing(engine, served_model_name, serving_metrics, limits, tool_call_parser, reasoning_parser)
+    chat = ChatServing(
+        engine,
+        served_model_name,
+        serving_metrics,
+        limits,
+        tool_call_parser,
+        reasoning_parser,
+        chat_template,
+        trust_request_chat_template,
+    )
     store = response_store or ResponseStore(int(DEFAULT_STORE_MIB * 2**20))
     responses = ResponsesServing(chat, store)
 
@@ -154,6 +167,7 @@ def build_app(
                 body.continue_final_message,
                 body.chat_template_kwargs,
                 template_tools(body.tools),
+                chat.request_template(body.chat_template),
             )
             tokens = await chat.encode(text, add_special_tokens=False, param="messages")
         else:

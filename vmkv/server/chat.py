@@ -3,6 +3,8 @@ request whose n samples are the choices; echo of an assistant message, tool call
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import json
 from collections.abc import AsyncGenerator
@@ -10,12 +12,12 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 import jinja2
-import jinja2.meta
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
 from vmkv.engine import RequestRejected
+from vmkv.server.chat_template import template_variables
 from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed
 from vmkv.server.errors import bad_request
 from vmkv.server.limits import RequestLimits
@@ -83,6 +85,8 @@ class ChatServing(OpenAIServing):
         limits: RequestLimits,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         super().__init__(engine, model_name, metrics, limits)
         self.tool_call_parser = tool_call_parser  # reads the calls of tool_choice "auto" (tool_parser.py)
@@ -91,7 +95,28 @@ class ChatServing(OpenAIServing):
         self.end_of_thinking = (
             self.tokenizer(END, add_special_tokens=False)["input_ids"] if reasoning_parser else None
         )
-        self.template_variables = template_variables(self.tokenizer.chat_template)
+        self.chat_template = chat_template  # the server's, in place of the model's (None: the model's)
+        self.trust_request_chat_template = trust_request_chat_template
+        self.template_variables = template_variables(chat_template or self.tokenizer.chat_template)
+        if chat_template is not None:  # a broken one fails the start, not every request
+            try:
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "hi"}], tokenize=False, chat_template=chat_template
+                )
+            except Exception as error:
+                raise ValueError(
+                    f"the chat template does not render a one-message conversation: {error}"
+                ) from error
+
+    def request_template(self, template: str | None) -> str | None:
+        """A request's own chat template, where the server trusts requests with one."""
+        if template is not None and not self.trust_request_chat_template:
+            raise bad_request(
+                "a template in a request is code the server would run; this server renders with its own "
+                "(start it with --trust-request-chat-template to take one)",
+                "chat_template",
+            )
+        return template
 
     def effort_kwargs(self, body: ChatCompletionRequest) -> dict[str, object]:
         """reasoning_effort as vLLM passes it: the template's own variable, and enable_thinking
@@ -100,10 +125,11 @@ class ChatServing(OpenAIServing):
         effort = body.reasoning_effort
         if effort is None:
             return {}
-        if not self.template_variables & {"reasoning_effort", "enable_thinking"}:
+        variables = template_variables(body.chat_template) if body.chat_template else self.template_variables
+        if not variables & {"reasoning_effort", "enable_thinking"}:
             raise bad_request(
-                "this model's chat template has no reasoning switch (it reads neither reasoning_effort "
-                "nor enable_thinking)",
+                "the chat template has no reasoning switch (it reads neither reasoning_effort nor "
+                "enable_thinking)",
                 "reasoning_effort",
             )
         kwargs: dict[str, object] = {"reasoning_effort": effort}
@@ -118,13 +144,19 @@ class ChatServing(OpenAIServing):
         continue_final_message: bool = False,
         template_kwargs: dict[str, object] | None = None,
         tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        """The conversation as the model's chat template writes it. continue_final_message leaves
-        the last message open, so the answer continues it; template_kwargs are the template's
-        own variables (for example a switch some templates read); tools go to templates that
-        describe them to the model."""
-        if not self.tokenizer.chat_template:
-            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        """The conversation as the chat template writes it: a request's `chat_template`, else the
+        server's, else the model's. continue_final_message leaves the last message open, so the
+        answer continues it; template_kwargs are the template's own variables (for example a
+        switch some templates read); tools go to templates that describe them to the model."""
+        template = chat_template or self.chat_template
+        if not (template or self.tokenizer.chat_template):
+            raise bad_request(
+                "this model has no chat template; start the server with --chat-template, or use "
+                "/v1/completions",
+                "messages",
+            )
         if continue_final_message and add_generation_prompt:
             raise bad_request(
                 "continue_final_message continues the last message instead of opening a new one; "
@@ -146,9 +178,14 @@ class ChatServing(OpenAIServing):
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                chat_template=template,
                 **template_kwargs,
             )
         except Exception as error:  # a template may refuse a conversation (e.g. its role order)
+            if chat_template is not None and isinstance(error, jinja2.TemplateSyntaxError):
+                raise bad_request(
+                    f"chat_template is not a valid template: {error}", "chat_template"
+                ) from error
             raise bad_request(f"the chat template refused these messages: {error}", "messages") from error
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -181,13 +218,17 @@ class ChatServing(OpenAIServing):
         self.check_alive()
         self.check_limits(1, body)
         structured = await self.structured_output(body, [("tool_choice", forced_tool(body))])
-        text = self.render_chat(
+        render = functools.partial(
+            self.render_chat,
             body.messages,
             body.add_generation_prompt,
             body.continue_final_message,
             (body.chat_template_kwargs or {}) | self.effort_kwargs(body),
             template_tools(body.tools),
+            self.request_template(body.chat_template),
         )
+        # a request's template is code of unknown cost: rendered off the event loop's thread
+        text = await asyncio.to_thread(render) if body.chat_template else render()
         prompt_ids = self.truncated(await self.encode(text, add_special_tokens=False, param="messages"), body)
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -353,19 +394,6 @@ def template_message(message: ChatMessage) -> dict:
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
     return rendered
-
-
-def template_variables(template: str | dict | None) -> frozenset[str]:
-    """The variables a chat template reads (of its default, where a tokenizer names several)."""
-    if isinstance(template, dict):
-        template = template.get("default")
-    if not template:
-        return frozenset()
-    environment = jinja2.Environment()
-    try:
-        return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
-    except jinja2.TemplateSyntaxError:
-        return frozenset()  # rendering will say what is wrong with it
 
 
 def json_or_text(text: str) -> object:

@@ -22,6 +22,7 @@ from vmkv.engine.data_parallel import ROUTINGS
 from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.gc_heap import freeze_start_up_heap
 from vmkv.server.app import build_app
+from vmkv.server.chat_template import load_chat_template
 from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
 from vmkv.server.engine_client import EngineClient
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES
@@ -107,6 +108,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="split a reasoning model's <think>...</think> from its answer into the message's `reasoning` "
         "(deepseek_r1: thinking from the start, the opening tag optional; qwen3: only an answer that "
         "opens with <think>)",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="render chats with this Jinja template (a file, or the template itself) in place of the "
+        "model's, e.g. for a checkpoint that has none",
+    )
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own chat_template (Jinja code this server then runs)",
     )
     server.add_argument(
         "--responses-store-mib",
@@ -206,6 +218,10 @@ def serve_main(args: argparse.Namespace) -> None:
     if args.data_parallel_size > 1 and not args.engine_process:
         raise SystemExit("vmkv: error: --data-parallel-size needs --engine-process")
     try:
+        chat_template = load_chat_template(args.chat_template) if args.chat_template else None
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"vmkv: error: {error}") from error
+    try:
         if args.data_parallel_size > 1:
             llm = DataParallelLLM(engine_settings, args.data_parallel_size, args.data_parallel_routing)
         elif args.engine_process:
@@ -223,23 +239,29 @@ def serve_main(args: argparse.Namespace) -> None:
             tag,
         )
     response_store = ResponseStore(int(args.responses_store_mib * 2**20))
-    app = build_app(
-        engine,
-        served_model_name(args),
-        api_keys=args.api_keys,
-        open_metrics=args.metrics_without_key,
-        limits=RequestLimits(
-            max_prompts=args.max_prompts_per_request,
-            max_samples=args.max_samples_per_request,
-            max_stop_strings=args.max_stop_strings,
-            max_waiting=args.max_waiting_requests,
-        ),
-        max_body_bytes=args.max_body_bytes,
-        owns_engine=True,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        response_store=response_store,
-    )
+    try:
+        app = build_app(
+            engine,
+            served_model_name(args),
+            api_keys=args.api_keys,
+            open_metrics=args.metrics_without_key,
+            limits=RequestLimits(
+                max_prompts=args.max_prompts_per_request,
+                max_samples=args.max_samples_per_request,
+                max_stop_strings=args.max_stop_strings,
+                max_waiting=args.max_waiting_requests,
+            ),
+            max_body_bytes=args.max_body_bytes,
+            owns_engine=True,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+            response_store=response_store,
+            chat_template=chat_template,
+            trust_request_chat_template=args.trust_request_chat_template,
+        )
+    except ValueError as error:
+        engine.shutdown()
+        raise SystemExit(f"vmkv: error: --chat-template: {error}") from error
     drain = Drain(app, background=lambda: response_store.num_running)
     freeze_start_up_heap()
     config = uvicorn.Config(

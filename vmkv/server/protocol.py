@@ -308,7 +308,11 @@ class ChatCompletionRequest(SamplingFields):
     prediction: Any = None
     modalities: list[Text] | None = None
     web_search_options: Any = None
-    chat_template: Text | None = None
+    chat_template: Text | None = Field(
+        default=None,
+        description="Renders the messages in place of the model's template (needs the server's "
+        "--trust-request-chat-template).",
+    )
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -499,6 +503,7 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Text | None = None  # as chat's
     tools: list[ToolDefinition] | None = None
 
     @model_validator(mode="after")

@@ -67,9 +67,4 @@ def chat_refusals(body: ChatCompletionRequest, parses_calls: bool) -> list[Refus
         ("modalities", body.modalities not in (None, ["text"]), "this server generates text only"),
         ("prediction", body.prediction is not None, "predicted outputs are not implemented"),
         ("web_search_options", body.web_search_options is not None, "this server has no web search"),
-        (
-            "chat_template",
-            body.chat_template is not None,
-            "a template in a request is code the server would run; the model's own is used",
-        ),
     ]
