@@ -84,6 +84,36 @@ def test_a_kept_response_is_fetched_continued_and_deleted(client: openai.OpenAI)
     assert third.usage.input_tokens > second.usage.input_tokens  # the chain holds without its first link
 
 
+def test_a_kept_responses_input_items_are_listed_back_a_page_at_a_time(client: openai.OpenAI) -> None:
+    conversation = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Name a layout."}]},
+        {"role": "assistant", "content": "Paged."},
+        {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}", "id": "fc_given"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "vattention"},
+        {"role": "user", "content": "Another one?"},
+    ]
+    response = client.responses.create(**greedy(input=conversation))
+    items = list(client.responses.input_items.list(response.id, order="asc"))
+    assert [item.type for item in items] == [
+        "message",
+        "message",
+        "function_call",
+        "function_call_output",
+        "message",
+    ]
+    assert items[0].content[0].text == "Name a layout." and items[1].content[0].type == "output_text"
+    assert items[2].id == "fc_given" and items[3].output == "vattention" and len({i.id for i in items}) == 5
+    newest = client.responses.input_items.list(response.id, limit=2)  # newest first by default
+    assert [item.id for item in newest.data] == [items[4].id, items[3].id] and newest.has_more
+    rest = client.responses.input_items.list(response.id, limit=10, after=newest.last_id)
+    assert [item.id for item in rest.data] == [items[2].id, items[1].id, items[0].id] and not rest.has_more
+    (only,) = client.responses.input_items.list(client.responses.create(**greedy()).id).data
+    assert only.role == "user" and only.content[0].text == QUESTION
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_items.list(response.id, after="msg_nowhere")
+    assert caught.value.body["param"] == "after"
+
+
 def test_a_response_with_store_false_is_not_kept(client: openai.OpenAI) -> None:
     response = client.responses.create(**greedy(store=False))
     assert response.store is False

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
+from typing import Literal
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -34,7 +35,7 @@ from vmkv.server.protocol import (
 from vmkv.server.reasoning import REASONING_PARSERS
 from vmkv.server.response_store import DEFAULT_STORE_MIB, ResponseStore
 from vmkv.server.responses import ResponsesServing
-from vmkv.server.responses_protocol import ResponseDeleted, ResponseObject, ResponsesRequest
+from vmkv.server.responses_protocol import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 from vmkv.server.tool_calls import template_tools
 from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
@@ -136,6 +137,15 @@ def build_app(
         response_id: str, stream: bool = False, starting_after: int | None = Query(default=None, ge=0)
     ) -> Response:
         return responses.retrieve(response_id, stream, starting_after)
+
+    @api.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(
+        response_id: str,
+        after: str | None = None,
+        limit: int = Query(default=20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+    ) -> InputItemList:
+        return responses.input_items(response_id, after, limit, order)
 
     @api.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> ResponseObject:

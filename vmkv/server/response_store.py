@@ -14,6 +14,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 from vmkv.server.errors import APIError
 from vmkv.server.protocol import ChatMessage
@@ -26,6 +27,7 @@ DEFAULT_STORE_MIB = 64.0
 class StoredResponse:
     response: ResponseObject  # as it stands: queued or in progress until its run ends
     conversation: list[ChatMessage] = field(default_factory=list)  # what a continuation starts from
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's input, listed back
     events: list[str] | None = None  # a background stream's events so far, by sequence number
     run: asyncio.Task | None = None  # a background response's run
     done: bool = True  # False while that run goes on

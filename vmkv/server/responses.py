@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -42,6 +43,7 @@ from vmkv.server.responses_protocol import (
     INCLUDE_LOGPROBS,
     FunctionCallItem,
     IncompleteDetails,
+    InputItemList,
     InputTokensDetails,
     OutputItem,
     OutputMessage,
@@ -162,7 +164,8 @@ class ResponsesServing:
 
     def keep(self, run: ResponseRun, response: ResponseObject) -> None:
         if run.keep:
-            self.store.add(StoredResponse(response, run.conversation + [answer_message(response)]))
+            conversation = run.conversation + [answer_message(response)]
+            self.store.add(StoredResponse(response, conversation, run.body.input_items(run.id)))
 
     # ------------------------------------------------------------------------ answering
     def answer(self, run: ResponseRun, choice: Choice) -> ResponseObject:
@@ -304,6 +307,7 @@ class ResponsesServing:
         entry = StoredResponse(
             self.envelope(run, [], None, status="queued"),
             conversation=run.conversation,
+            input_items=run.body.input_items(run.id),
             events=[] if run.body.stream else None,
             done=False,
         )
@@ -354,6 +358,26 @@ class ResponsesServing:
                 "stream",
             )
         return EventStreamResponse(entry.follow(starting_after))
+
+    def input_items(
+        self, response_id: str, after: str | None, limit: int, order: Literal["asc", "desc"]
+    ) -> InputItemList:
+        """A page of a kept response's input items, newest first unless `order` is asc."""
+        items = self.store.get(response_id).input_items
+        items = items[::-1] if order == "desc" else items
+        start = 0
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise bad_request(f"response {response_id!r} has no input item {after!r}", "after")
+            start = ids.index(after) + 1
+        page = items[start : start + limit]
+        return InputItemList(
+            data=page,
+            first_id=page[0]["id"] if page else None,
+            last_id=page[-1]["id"] if page else None,
+            has_more=start + limit < len(items),
+        )
 
     async def cancel(self, response_id: str) -> ResponseObject:
         """Stop a background response's run (its engine request is aborted, its KV freed)."""

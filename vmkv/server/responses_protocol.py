@@ -78,6 +78,8 @@ class ReasoningInput(OpenAIModel):
 
 
 InputItem = InputMessage | FunctionCallInput | FunctionCallOutputInput | ReasoningInput
+# the prefix of the id an input item listed back gets when it came without one
+ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 class FunctionTool(OpenAIModel):
@@ -139,6 +141,20 @@ class ResponsesRequest(OpenAIModel):
     @property
     def logprobs(self) -> bool:
         return INCLUDE_LOGPROBS in (self.include or [])
+
+    def input_items(self, response_id: str) -> list[dict[str, Any]]:
+        """The input as OpenAI lists a response's input items: each with an id (its own, or one
+        made from the response's), a message's text as content parts."""
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        listed = []
+        for i, item in enumerate(items):
+            fields = item.model_dump(exclude_none=True)
+            if isinstance(item, InputMessage) and isinstance(item.content, str):
+                part = "output_text" if item.role == "assistant" else "input_text"
+                fields["content"] = [{"type": part, "text": item.content}]
+            made_id = f"{ITEM_PREFIXES[item.type]}_{response_id.removeprefix('resp-')}_{i}"
+            listed.append({"id": made_id, "status": "completed"} | fields)
+        return listed
 
     def conversation(self, previous: list[ChatMessage]) -> list[ChatMessage]:
         """The messages after the instructions: a stored response's conversation (`previous`),
@@ -301,3 +317,11 @@ class ResponseDeleted(BaseModel):
     id: str
     object: Literal["response"] = "response"
     deleted: bool = True
+
+
+class InputItemList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
