@@ -14,7 +14,7 @@ import jsonschema_rs
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import MODEL, LiveServer, Served, start_engine
+from test_server import MODEL, LiveServer, Served, live_server
 
 from vmkv import LLM, SamplingParams
 from vmkv.engine import AsyncLLM, RequestRejected
@@ -34,10 +34,8 @@ EOS = 2  # the tiny tokenizer's <|im_end|>
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path) -> Iterator[Served]:
-    engine = start_engine(str(tiny_model_dir), "paged")
-    with LiveServer(build_app(engine, MODEL)) as server:
-        yield Served(server.url, engine, "paged")
-    engine.shutdown()
+    with live_server(tiny_model_dir, "paged") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_server import MODEL, LiveServer, Served, start_engine
+from test_server import MODEL, LiveServer, Served, live_server
 
 from vmkv.server import build_app
 from vmkv.server.drain import Drain
@@ -28,10 +28,8 @@ LONG = 180  # output tokens: a run that is still going when the test acts on it
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path) -> Iterator[Served]:
-    engine = start_engine(str(tiny_model_dir), "paged")
-    with LiveServer(build_app(engine, MODEL)) as server:
-        yield Served(server.url, engine, "paged")
-    engine.shutdown()
+    with live_server(tiny_model_dir, "paged") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

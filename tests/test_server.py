@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,17 +101,23 @@ def start_engine(model_dir: str, kv_mode: str, in_process: bool = False) -> Engi
     return EngineClient(llm)
 
 
+@contextmanager
+def live_server(model_dir: Path, kv_mode: str, in_process: bool = False) -> Iterator[Served]:
+    """An engine over the tiny model behind a live server, shut down on the way out."""
+    engine = start_engine(str(model_dir), kv_mode, in_process)
+    with LiveServer(build_app(engine, MODEL)) as server:
+        yield Served(server.url, engine, kv_mode)
+    engine.shutdown()
+
+
 # Every layout behind the engine process (the server's default); the thread engine once.
 SERVED = [(kv_mode, False) for kv_mode in KV_MODES] + [("paged", True)]
 
 
 @pytest.fixture(scope="module", params=SERVED, ids=[f"{m}-{'thread' if t else 'process'}" for m, t in SERVED])
 def served(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Served]:
-    kv_mode, in_process = request.param
-    engine = start_engine(str(tiny_model_dir), kv_mode, in_process)
-    with LiveServer(build_app(engine, MODEL)) as server:
-        yield Served(server.url, engine, kv_mode)
-    engine.shutdown()
+    with live_server(tiny_model_dir, *request.param) as served:
+        yield served
 
 
 def sse_payloads(lines: Iterator[str]) -> list[str]:
