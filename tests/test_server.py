@@ -640,19 +640,30 @@ def test_dead_engine_answers_503_with_its_reason(
         httpx.Client(base_url=server.url, timeout=10) as http,
     ):
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        in_background = {"model": MODEL, "input": "Hello", "max_output_tokens": 200, "temperature": 0.0}
         with http.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             first = next(lines)
+            response_id = http.post("/v1/responses", json=in_background | {"background": True}).json()["id"]
             stop(engine)
             payloads = sse_payloads([first, *lines])
         assert payloads[-1] == "[DONE]"
         error = json.loads(payloads[-2])["error"]  # the stream says why it ended early
         assert error["code"] == 503 and (reason is None or reason in error["message"])
+        wait_until_ended = time.monotonic() + 10
+        while (kept := http.get(f"/v1/responses/{response_id}").json())["status"] in (
+            "queued",
+            "in_progress",
+        ):
+            assert time.monotonic() < wait_until_ended, "the background response never ended"
+            time.sleep(0.02)
+        assert kept["status"] == "failed" and (reason is None or reason in kept["error"]["message"])
         for response in (
             http.get("/health"),
             http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}),
             http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}),
             http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT}),
+            http.post("/v1/responses", json=in_background),
         ):
             assert_openai_error(response, 503, None)
             assert reason is None or reason in response.json()["error"]["message"]
