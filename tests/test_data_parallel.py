@@ -11,8 +11,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import MODEL, LiveServer
+from transformers import AutoModelForCausalLM
 
 from vmkv import LLM, SamplingParams
 from vmkv.engine import DataParallelLLM, EngineConfig
@@ -107,6 +109,22 @@ def test_replicas_share_out_the_work_and_keep_a_prefix_where_it_is_cached(
     total = replicas.stats()
     assert total.prompt_tokens == sum(prompt_tokens(replicas))
     assert total.kv_stats.prefix_cache_hits == sum(s.prefix_cache_hits for s in replicas.replica_stats())
+
+
+def test_an_embedded_prompt_goes_where_its_embeddings_are_cached(
+    replicas: DataParallelLLM, tiny_model_dir: Path
+) -> None:
+    prompt = list(range(100, 134))
+    with torch.no_grad():
+        embeds = AutoModelForCausalLM.from_pretrained(tiny_model_dir).get_input_embeddings()(
+            torch.tensor(prompt)
+        )
+    expected = asyncio.run(run(replicas, prompt))
+    before = [s.prefix_cache_hits for s in replicas.replica_stats()]
+    assert asyncio.run(run(replicas, embeds)) == expected
+    assert asyncio.run(run(replicas, embeds.clone())) == expected
+    hits = [s.prefix_cache_hits - b for s, b in zip(replicas.replica_stats(), before, strict=True)]
+    assert sorted(hits) == [0, 32]  # the second found the first's 4 full blocks: the same replica
 
 
 def test_replicas_serve_http(replicas: DataParallelLLM) -> None:

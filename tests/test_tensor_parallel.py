@@ -36,7 +36,7 @@ from vmkv.distributed.recording import RecordingContiguousKVCache, RecordingPage
 from vmkv.distributed.recording_vattention import RecordingVAttentionKVCache
 from vmkv.distributed.replica import VATTENTION_FOLLOWER, Replica
 from vmkv.distributed.sharding import check_divides, kv_storage_bytes
-from vmkv.engine import LLM, AsyncProcessLLM, EngineConfig, EngineDead, SamplingParams
+from vmkv.engine import LLM, AsyncProcessLLM, EngineConfig, EngineDead, RequestRejected, SamplingParams
 from vmkv.engine.llm_engine import EngineStats
 from vmkv.kv_cache import SeqStep
 from vmkv.model.store import load_model
@@ -74,6 +74,9 @@ class Run:
 def run(model: Path, case: dict, tensor_parallel_size: int, **options: object) -> Run:
     llm = LLM(str(model), **BASE, **case, tensor_parallel_size=tensor_parallel_size, **options)
     try:
+        if tensor_parallel_size > 1:  # the workers read token ids: a prompt of embeddings has none
+            with pytest.raises(RequestRejected, match="tensor parallelism"):
+                llm.generate([torch.zeros(4, llm.engine.info.hidden_size)], PARAMS[0])
         outputs = llm.generate(PROMPTS, PARAMS)
         engine = llm.engine
         tp = engine.tp

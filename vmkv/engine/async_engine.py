@@ -16,6 +16,8 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.errors import RequestRejected
@@ -77,7 +79,7 @@ class AsyncLLM:
     # ------------------------------------------------------------ requests
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | torch.Tensor,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -107,7 +109,7 @@ class AsyncLLM:
     def _open_stream(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | torch.Tensor,
         params: SamplingParams,
         cache_salt: str | None,
         priority: int,

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 import msgspec
+import torch
 import zmq
 
 from vmkv.engine.async_engine import EngineDead, outputs_until_finished
@@ -51,6 +52,7 @@ from vmkv.engine.ipc import (
 from vmkv.engine.llm_engine import EngineStats
 from vmkv.engine.output_processor import RequestState
 from vmkv.engine.outputs import RequestOutput
+from vmkv.engine.prompt_embeds import EmbedsPayload
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.model.store import load_tokenizer, resolve_model
 
@@ -124,13 +126,15 @@ class AsyncProcessLLM:
         return self._process.pid
 
     # ------------------------------------------------------------ requests
-    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+    def validate(
+        self, prompt: str | Sequence[int] | torch.Tensor, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
         """Tokenize and check a request here (raises RequestRejected); nothing reaches the engine."""
         return self.info.validate(self.tokenizer, prompt, params)
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | torch.Tensor,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -147,7 +151,10 @@ class AsyncProcessLLM:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         self.info.check_priority(priority)
-        state = RequestState(request_id, text, prompt_ids, params, self.tokenizer)
+        embeds = self.info.prompt_embeds(prompt, params) if isinstance(prompt, torch.Tensor) else None
+        state = RequestState(
+            request_id, text, prompt_ids, params, self.tokenizer, embedded=embeds is not None
+        )
         stream = _Stream(state, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             # checked under the lock _die takes: a stream is either refused here or failed there
@@ -156,7 +163,8 @@ class AsyncProcessLLM:
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._send_locked(AddRequest(request_id, prompt_ids, params, cache_salt, priority))
+            payload = None if embeds is None else EmbedsPayload.of(embeds)
+            self._send_locked(AddRequest(request_id, prompt_ids, params, cache_salt, priority, payload))
         finished = False
         try:
             async for item in outputs_until_finished(stream.queue):

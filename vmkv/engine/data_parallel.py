@@ -22,11 +22,14 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 
+import torch
+
 from vmkv.engine.async_process import AsyncProcessLLM
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.llm_engine import EngineStats
 from vmkv.engine.outputs import RequestOutput
+from vmkv.engine.prompt_embeds import embeds_cache_salt
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.kv_cache import KVMemory, KVStats
 
@@ -136,7 +139,7 @@ class DataParallelLLM:
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | torch.Tensor,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -152,7 +155,10 @@ class DataParallelLLM:
         if self.routing == "round-robin":
             index, self._turn = self._turn, (self._turn + 1) % self.size
         else:
-            chain = self.router.chain(prompt_ids, cache_salt)
+            salt = cache_salt
+            if isinstance(prompt, torch.Tensor):  # placeholders: the embeddings' digest tells prompts apart
+                salt = embeds_cache_salt(self.info.prompt_embeds(prompt, params), cache_salt)
+            chain = self.router.chain(prompt_ids, salt)
             index = self.router.pick(chain, [r.load for r in self._replicas])
             self.router.record(index, chain)
         replica = self._replicas[index]

@@ -124,9 +124,10 @@ class EngineCore:
     def apply(self, command: Command) -> list[RequestOutput | RequestUpdate]:
         engine = self.engine
         match command:
-            case AddRequest(request_id, prompt_ids, params, cache_salt, priority):
+            case AddRequest(request_id, prompt_ids, params, cache_salt, priority, embeds):
+                prompt = prompt_ids if embeds is None else embeds.tensor()
                 try:
-                    engine.add_request(request_id, prompt_ids, params, cache_salt, priority)
+                    engine.add_request(request_id, prompt, params, cache_salt, priority)
                 except RequestRejected as error:
                     return [RequestUpdate(request_id, [], finished=True, rejected=str(error))]
                 self.sent[request_id] = {}

@@ -9,7 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from vmkv.engine.errors import RequestRejected
+from vmkv.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, check_prompt_embeds
 from vmkv.engine.sampling_params import SamplingParams
 
 
@@ -25,6 +28,8 @@ class EngineInfo:
     kv_units: int
     kv_unit: str
     scheduling_policy: str = "fcfs"
+    hidden_size: int = 0  # the width of a prompt given as embeddings
+    takes_prompt_embeds: bool = True  # False under tensor parallelism: its workers read token ids
 
     def prompt_token_ids(
         self, tokenizer: object, prompt: str | Sequence[int]
@@ -41,6 +46,12 @@ class EngineInfo:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
         return None, ids
+
+    def prompt_embeds(self, embeds: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The checked [P, hidden] embeddings of a prompt, or RequestRejected."""
+        if not self.takes_prompt_embeds:
+            raise RequestRejected("prompt_embeds cannot run under tensor parallelism", "prompt_embeds")
+        return check_prompt_embeds(embeds, self.hidden_size, params)
 
     def check_priority(self, priority: object) -> None:
         """Raises RequestRejected for a priority this engine cannot honour: any but 0 under fcfs."""
@@ -80,12 +91,16 @@ class EngineInfo:
             )
 
     def validate(
-        self, tokenizer: object, prompt: str | Sequence[int], params: SamplingParams
+        self, tokenizer: object, prompt: str | Sequence[int] | torch.Tensor, params: SamplingParams
     ) -> tuple[str | None, list[int]]:
-        """Tokenize and check a request; returns (prompt text or None, prompt token ids)."""
+        """Tokenize and check a request; returns (prompt text or None, prompt token ids). A tensor
+        prompt is embeddings (prompt_embeds.py): its token ids are placeholders."""
         if not isinstance(params, SamplingParams):
             raise RequestRejected(f"expected SamplingParams, got {type(params).__name__}")
-        text, prompt_ids = self.prompt_token_ids(tokenizer, prompt)
+        if isinstance(prompt, torch.Tensor):
+            text, prompt_ids = None, [PLACEHOLDER_TOKEN_ID] * len(self.prompt_embeds(prompt, params))
+        else:
+            text, prompt_ids = self.prompt_token_ids(tokenizer, prompt)
         self.check_fits(len(prompt_ids), params)
         token_id_params = {
             "bad_words": [t for word in params.bad_words_token_ids for t in word],

@@ -21,6 +21,7 @@ import msgspec
 from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.llm_engine import EngineStats
 from vmkv.engine.outputs import PromptLogprob
+from vmkv.engine.prompt_embeds import EmbedsPayload
 from vmkv.engine.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     params: SamplingParams
     cache_salt: str | None
     priority: int = 0
+    prompt_embeds: EmbedsPayload | None = None  # the prompt itself, its token ids placeholders
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | torch.Tensor  # a tensor: [tokens, hidden] embeddings (prompt_embeds.py)
 Conversation = Sequence[dict]  # chat messages: {"role": ..., "content": ...}
 
 
@@ -31,7 +33,8 @@ class LLM:
         cache_salt: str | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list (text, or token ids); outputs come in prompt order.
+        """Generate for one prompt or a list (text, token ids, or embeddings: a [tokens, hidden]
+        tensor, or vLLM's {"prompt_embeds": tensor}); outputs come in prompt order.
 
         Every request is validated before any runs, so a rejected one (RequestRejected)
         leaves the engine untouched. Cached prefixes are shared only among requests with the
@@ -105,10 +108,11 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """A str or a flat list of ints is one prompt; anything else is a list of prompts."""
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
+    """A str, a tensor, a {"prompt_embeds": tensor} or a flat list of ints is one prompt;
+    anything else is a list of prompts."""
+    if isinstance(prompts, str | torch.Tensor | dict):
+        prompts = [prompts]
+    prompts = [p["prompt_embeds"] if isinstance(p, dict) and "prompt_embeds" in p else p for p in prompts]
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]
     if not prompts:

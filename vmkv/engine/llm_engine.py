@@ -25,6 +25,7 @@ from vmkv.engine.errors import RequestRejected
 from vmkv.engine.kv_factory import build_kv_cache
 from vmkv.engine.model_runner import ModelRunner
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vmkv.engine.prompt_embeds import embeds_cache_salt, text_context
 from vmkv.engine.sampler import Sampler, SampleRow
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import ScheduledSeq, Scheduler
@@ -117,6 +118,8 @@ class LLMEngine:
             kv_units=self.cache.stats().units_total,
             kv_unit=self.cache.stats().unit,
             scheduling_policy=config.scheduling_policy,
+            hidden_size=self.runner.hidden_size,
+            takes_prompt_embeds=self.tp is None,
         )
         self.sampler = Sampler(config.seed, self.runner.device, self.info.eos_token_ids)
         # structured-output grammars compile on a worker thread; their requests wait there
@@ -142,12 +145,13 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | SequenceABC[int],
+        prompt: str | SequenceABC[int] | torch.Tensor,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> SequenceGroup:
-        """Queue a request; raises RequestRejected if it could never be served.
+        """Queue a request; raises RequestRejected if it could never be served. A prompt is
+        text, token ids, or a [tokens, hidden] tensor of embeddings (prompt_embeds.py).
 
         Requests share cached prompt prefixes only when their cache_salt is equal, so a
         tenant's salt keeps others from learning (by timing) what it has sent. Under the
@@ -160,6 +164,10 @@ class LLMEngine:
             raise RequestRejected(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         self.info.check_priority(priority)
         text, prompt_ids = self.validate(prompt, params)
+        embeds = None
+        if isinstance(prompt, torch.Tensor):
+            embeds = self.info.prompt_embeds(prompt, params)
+            cache_salt = embeds_cache_salt(embeds, cache_salt)
         if params.prompt_logprobs is not None:  # a cached token has no logits: share nothing
             cache_salt = f"prompt-logprobs:{uuid.uuid4().hex}"
         group = SequenceGroup(
@@ -172,6 +180,7 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=time.monotonic()),
             cache_salt=cache_salt,
             priority=priority,
+            prompt_embeds=embeds,
         )
         if params.use_beam_search:
             ends = self._ends_hypothesis(params)
@@ -186,7 +195,7 @@ class LLMEngine:
         return group
 
     def validate(
-        self, prompt: str | SequenceABC[int], params: SamplingParams
+        self, prompt: str | SequenceABC[int] | torch.Tensor, params: SamplingParams
     ) -> tuple[str | None, list[int]]:
         """Tokenize and check a request without touching engine state (safe from any thread);
         returns (prompt text or None, prompt token ids) or raises RequestRejected."""
@@ -422,7 +431,9 @@ class LLMEngine:
             prompt_len=len(group.prompt_token_ids),
             # beams fork and die every step: their text is decoded once, from the answer
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, group.prompt_token_ids, group.params.skip_special_tokens
+                self.tokenizer,
+                text_context(group.prompt_token_ids, group.prompt_embeds is not None),
+                group.params.skip_special_tokens,
             )
             if self.detokenize and group.beam is None
             else None,
@@ -432,6 +443,7 @@ class LLMEngine:
             else torch.Generator(device=self.runner.device).manual_seed(sample_seed(seed, index)),
             logprobs=None if group.params.logprobs is None else [],
             constrained=group.params.structured_after is None,
+            prompt_embeds=group.prompt_embeds,
         )
         self._next_seq_id += 1
         group.seqs.append(seq)

@@ -53,6 +53,7 @@ class ModelRunner:
         self.lm_head = self.model.get_output_embeddings()
         hf = self.model.config
         self.vocab_size = hf.vocab_size
+        self.hidden_size = hf.hidden_size
         self.kv_shape = KVShape(
             num_layers=hf.num_hidden_layers,
             num_kv_heads=hf.num_key_value_heads,
@@ -98,19 +99,45 @@ class ModelRunner:
                 batch.num_cached - first_rows, counts
             )
 
+        embeds = self._prompt_embeds(scheduled, input_ids, batch.query_start)
         plan = cache.prepare(batch)
         if self._faults is not None:
             self._faults.on_forward()
         with step_context(cache, plan), compiled_stance() if self.compiled else nullcontext():
-            hidden = self._forward(
-                input_ids=input_ids[None], position_ids=positions[None], use_cache=False
-            ).last_hidden_state[0]
+            if embeds is None:
+                hidden = self._forward(
+                    input_ids=input_ids[None], position_ids=positions[None], use_cache=False
+                )
+            else:  # eager: the compiled graphs take token ids
+                hidden = self.decoder(
+                    inputs_embeds=embeds[None], position_ids=positions[None], use_cache=False
+                )
+            hidden = hidden.last_hidden_state[0]
         cache.finish_step(plan)
         last_rows = [i for i, s in enumerate(scheduled) if s.samples]
         rows = batch.query_start[1:][last_rows] - 1
         starts = batch.query_start.tolist() if keep_hidden else []
         kept = [hidden[starts[i] : starts[i + 1]] for i in keep_hidden]
         return self._logits(hidden[rows]), kept
+
+    def _prompt_embeds(
+        self, scheduled: list[ScheduledSeq], input_ids: torch.Tensor, query_start: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The step's input embeddings where it computes positions of a prompt given as
+        embeddings (those rows theirs, the others looked up), else None: the ids will do."""
+        rows = [
+            (i, s.seq)
+            for i, s in enumerate(scheduled)
+            if s.seq.prompt_embeds is not None and s.seq.num_computed < s.seq.prompt_len
+        ]
+        if not rows:
+            return None
+        embeds = self.model.get_input_embeddings()(input_ids)
+        starts = query_start.tolist()
+        for i, seq in rows:
+            given = seq.prompt_embeds[seq.num_computed : seq.num_computed + scheduled[i].num_new]
+            embeds[starts[i] : starts[i] + len(given)] = given.to(embeds.device, embeds.dtype)
+        return embeds
 
     @torch.inference_mode()
     def prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[PromptLogprob]:

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.ipc import RequestUpdate, SampleUpdate
 from vmkv.engine.outputs import CompletionOutput, PromptLogprob, RequestMetrics, RequestOutput
+from vmkv.engine.prompt_embeds import text_context
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.sequence import FinishReason
 from vmkv.engine.stop_strings import cut_at_stop, find_stop, stop_hold, visible_text
@@ -59,6 +60,7 @@ class RequestState:
     error: str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
     num_cached_tokens: int = 0
+    embedded: bool = False  # the prompt came as embeddings: its token ids are placeholders
 
     def apply(self, update: RequestUpdate) -> list[int]:
         """Take in one engine update; returns the indices of samples that met a stop string now."""
@@ -98,7 +100,7 @@ class RequestState:
         params = self.params
         sample = SampleState(
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, self.prompt_token_ids, params.skip_special_tokens
+                self.tokenizer, text_context(self.prompt_token_ids, self.embedded), params.skip_special_tokens
             ),
             token_ids=list(self.prompt_token_ids),
             prompt_len=len(self.prompt_token_ids),

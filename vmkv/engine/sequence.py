@@ -63,6 +63,7 @@ class Sequence:
     grammar: GrammarState | None = None  # its structured-output matcher (the sampler advances it)
     # False while the output is still free before params.structured_after (a model's thinking)
     constrained: bool = True
+    prompt_embeds: torch.Tensor | None = None  # its request's, fed for the prompt's positions
 
     @property
     def num_output(self) -> int:
@@ -106,6 +107,8 @@ class SequenceGroup:
     beam: BeamSearch | None = None  # with use_beam_search: the seqs are its live beams
     # a finished beam search's answer (the engine writes it; the beams are gone by then)
     beam_results: list[CompletionOutput] | None = None
+    # a prompt given as [prompt, hidden] embeddings; prompt_token_ids are then placeholders
+    prompt_embeds: torch.Tensor | None = None
     stop_hold: int = field(init=False)
 
     def __post_init__(self) -> None:

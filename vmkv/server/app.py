@@ -67,6 +67,7 @@ def build_app(
     response_store: ResponseStore | None = None,
     chat_template: str | None = None,
     trust_request_chat_template: bool = False,
+    enable_prompt_embeds: bool = False,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -78,14 +79,16 @@ def build_app(
     REASONING_PARSERS) splits a reasoning model's thinking from its answer. `response_store`
     keeps /v1/responses answers (a store of DEFAULT_STORE_MIB without one). `chat_template`
     renders chats in place of the model's; with `trust_request_chat_template`, a request may
-    bring its own.
+    bring its own. `enable_prompt_embeds` lets completions give prompts as embeddings.
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
     serving_metrics, limits = ServingMetrics(served_model_name), limits or RequestLimits()
-    completions = CompletionServing(engine, served_model_name, serving_metrics, limits)
+    completions = CompletionServing(
+        engine, served_model_name, serving_metrics, limits, enable_prompt_embeds=enable_prompt_embeds
+    )
     chat = ChatServing(
         engine,
         served_model_name,

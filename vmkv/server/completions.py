@@ -3,13 +3,18 @@ echo, logprobs in the completions shape, and their stream."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import io
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vmkv.engine import RequestRejected
+from vmkv.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID
 from vmkv.server.engine_client import EngineDeadError, RequestFailed
 from vmkv.server.errors import bad_request
 from vmkv.server.logprobs import LogprobFormatter
@@ -40,19 +45,29 @@ from vmkv.server.streaming import (
 
 
 class CompletionServing(OpenAIServing):
+    def __init__(self, *args: object, enable_prompt_embeds: bool = False) -> None:
+        super().__init__(*args)
+        self.enable_prompt_embeds = enable_prompt_embeds  # prompts as embeddings (--enable-prompt-embeds)
+
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         check_supported(completion_refusals(body) + sampling_refusals(body))
         self.check_alive()
         request_id = random_id("cmpl")
         submissions = []
-        prompts = completion_prompts(body)
+        embeds = await self.prompt_embeds(body)
+        prompts = embeds or completion_prompts(body)
         self.check_limits(len(prompts), body)
         structured = await self.structured_output(body)
-        encoded = await self.prompt_token_ids(prompts, body.add_special_tokens)
+        prompt_param = "prompt_embeds" if embeds else "prompt"
+        if embeds:
+            encoded = [[PLACEHOLDER_TOKEN_ID] * len(e) for e in embeds]
+        else:
+            encoded = await self.prompt_token_ids(prompts, body.add_special_tokens)
         for i, (prompt, whole) in enumerate(zip(prompts, encoded, strict=True)):
-            prompt_ids = self.truncated(whole, body)
-            max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, "prompt")
+            kept = self.truncation(len(whole), body)
+            prompt_ids = whole[kept]
+            max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, prompt_param)
             submission = self.submission(
                 f"{request_id}-{i}",
                 prompt_ids,
@@ -61,7 +76,8 @@ class CompletionServing(OpenAIServing):
                 body.logprobs,
                 i * body.n,
                 structured,
-                "prompt",
+                prompt_param,
+                prompt_embeds=prompt[kept] if embeds else None,
             )
             if body.echo:  # the prompt as the model saw it: its text unless cut or given as ids
                 uncut = isinstance(prompt, str) and len(prompt_ids) == len(whole)
@@ -97,6 +113,25 @@ class CompletionServing(OpenAIServing):
             usage=usage(submissions, choices),
         )
         return JSONResponse(response.model_dump())
+
+    async def prompt_embeds(self, body: CompletionRequest) -> list[torch.Tensor]:
+        """The request's prompts given as embeddings (none: it gives token ids or text), each
+        decoded from vLLM's format (base64 of a torch.save'd tensor) on a worker thread."""
+        if body.prompt_embeds is None:
+            return []
+        if not self.enable_prompt_embeds:
+            raise bad_request(
+                "this server takes no prompt embeddings; start it with --enable-prompt-embeds",
+                "prompt_embeds",
+            )
+        if body.prompt not in (None, "", []):
+            raise bad_request("give prompt or prompt_embeds, not both", "prompt")
+        if body.echo:
+            raise bad_request("a prompt given as embeddings has no text to echo", "echo")
+        encoded = [body.prompt_embeds] if isinstance(body.prompt_embeds, str) else body.prompt_embeds
+        if not encoded:
+            raise bad_request("prompt_embeds is empty", "prompt_embeds")
+        return [await asyncio.to_thread(load_prompt_embeds, text) for text in encoded]
 
     async def prompt_token_ids(
         self, prompts: list[str] | list[list[int]], add_special_tokens: bool
@@ -188,9 +223,26 @@ class CompletionServing(OpenAIServing):
         return prompt
 
 
+def load_prompt_embeds(text: str) -> torch.Tensor:
+    """A tensor from base64 of its torch.save bytes, loaded with weights_only (plain tensors,
+    no code); what it holds is checked by the engine's rules (prompt_embeds.py)."""
+    try:
+        tensor = torch.load(
+            io.BytesIO(base64.b64decode(text, validate=True)), weights_only=True, map_location="cpu"
+        )
+    except Exception as error:  # not base64, not a torch.save file, or not plain data
+        message = f"prompt_embeds is not a base64-encoded torch.save tensor: {error}"
+        raise bad_request(message, "prompt_embeds") from None
+    if not isinstance(tensor, torch.Tensor):
+        raise bad_request(f"prompt_embeds holds a {type(tensor).__name__}, not a tensor", "prompt_embeds")
+    return tensor
+
+
 def completion_prompts(body: CompletionRequest) -> list[str] | list[list[int]]:
     """The request's prompts: one text, several texts, one token-id list or several."""
     prompt = body.prompt
+    if prompt is None:
+        raise bad_request("prompt is required (or prompt_embeds)", "prompt")
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt or any(len(item) == 0 for item in prompt):

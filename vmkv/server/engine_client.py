@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from vmkv.engine import (
@@ -77,9 +78,9 @@ class EngineClient:
         if self.llm.dead_reason is not None:
             raise _engine_dead(self.llm.dead_reason)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt: list[int] | torch.Tensor, params: SamplingParams) -> None:
         """Raises RequestRejected for a request the engine could never run; changes nothing."""
-        self.llm.validate(prompt_ids, params)
+        self.llm.validate(prompt, params)
 
     def check_priority(self, priority: int) -> None:
         """Raises RequestRejected for a priority the engine's scheduling policy cannot honour."""
@@ -88,16 +89,17 @@ class EngineClient:
     async def generate(
         self,
         request_id: str,
-        prompt_ids: list[int],
+        prompt: list[int] | torch.Tensor,
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> AsyncGenerator[list[SampleDelta], None]:
-        """One list of deltas per engine step that advanced the request, until every sample ends."""
+        """One list of deltas per engine step that advanced the request, until every sample ends.
+        `prompt` is token ids, or a [tokens, hidden] tensor of embeddings."""
         sent: dict[int, _Sent] = {}
         prompt_logprobs_sent = False
         stream = self.llm.generate(
-            prompt_ids, params, request_id=request_id, cache_salt=cache_salt, priority=priority
+            prompt, params, request_id=request_id, cache_salt=cache_salt, priority=priority
         )
         try:
             async for output in stream:

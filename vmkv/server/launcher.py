@@ -121,6 +121,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="let a request bring its own chat_template (Jinja code this server then runs)",
     )
     server.add_argument(
+        "--enable-prompt-embeds",
+        action="store_true",
+        help="let completions give prompts as embeddings (prompt_embeds: base64 of torch.save'd "
+        "[tokens, hidden] tensors)",
+    )
+    server.add_argument(
         "--responses-store-mib",
         type=non_negative_float,
         default=DEFAULT_STORE_MIB,
@@ -258,6 +264,7 @@ def serve_main(args: argparse.Namespace) -> None:
             response_store=response_store,
             chat_template=chat_template,
             trust_request_chat_template=args.trust_request_chat_template,
+            enable_prompt_embeds=args.enable_prompt_embeds,
         )
     except ValueError as error:
         engine.shutdown()

@@ -197,8 +197,14 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(
-        description="A text, a list of texts, a list of token ids, or a list of token-id lists."
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] | None = Field(
+        default=None,
+        description="A text, a list of texts, a list of token ids, or a list of token-id lists.",
+    )
+    prompt_embeds: Text | list[Text] | None = Field(  # type: ignore[assignment]
+        default=None,
+        description="In place of prompt: base64 of a torch.save'd [tokens, hidden] tensor, or a list of "
+        "them (vLLM's format; needs the server's --enable-prompt-embeds).",
     )
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None

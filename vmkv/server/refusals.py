@@ -26,7 +26,6 @@ def sampling_refusals(body: SamplingFields) -> list[Refusal]:
             "it applies to beam search (use_beam_search)",
         ),
         ("spaces_between_special_tokens", not body.spaces_between_special_tokens, "not implemented"),
-        ("prompt_embeds", body.prompt_embeds is not None, "prompts are text or token ids"),
     ]
 
 
@@ -67,4 +66,9 @@ def chat_refusals(body: ChatCompletionRequest, parses_calls: bool) -> list[Refus
         ("modalities", body.modalities not in (None, ["text"]), "this server generates text only"),
         ("prediction", body.prediction is not None, "predicted outputs are not implemented"),
         ("web_search_options", body.web_search_options is not None, "this server has no web search"),
+        (
+            "prompt_embeds",
+            body.prompt_embeds is not None,
+            "a chat's prompt is its messages; use /v1/completions",
+        ),
     ]

@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+import torch
 from fastapi import Request
 from fastapi.responses import Response
 from transformers import PreTrainedTokenizerBase
@@ -56,6 +57,7 @@ class Submission:
     cache_salt: str | None
     priority: int = 0
     echo: str = ""  # text each choice starts with (the prompt, or chat's last assistant message)
+    prompt_embeds: torch.Tensor | None = None  # the prompt itself: its prompt_ids are placeholders
 
 
 @dataclass
@@ -63,7 +65,7 @@ class Choice:
     """A sample's output so far."""
 
     index: int
-    prompt_ids: list[int]  # for echo with logprobs and return_token_ids
+    prompt_ids: list[int] | None  # for echo with logprobs and return_token_ids (None: embeddings)
     echo: str = ""  # sent before the first generated text
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -209,11 +211,14 @@ class OpenAIServing:
         return encoding["input_ids"]
 
     def truncated(self, prompt_ids: list[int], body: SamplingFields) -> list[int]:
-        """The prompt cut to truncate_prompt_tokens (-1: max_model_len): its last tokens, or its
-        first with truncation_side right; a limit over max_model_len is a 400, as in vLLM."""
+        return prompt_ids[self.truncation(len(prompt_ids), body)]
+
+    def truncation(self, prompt_len: int, body: SamplingFields) -> slice:
+        """What of a prompt truncate_prompt_tokens keeps (-1: max_model_len): its last tokens, or
+        its first with truncation_side right; a limit over max_model_len is a 400, as in vLLM."""
         keep, limit = body.truncate_prompt_tokens, self.engine.max_model_len
         if keep is None:
-            return prompt_ids
+            return slice(None)
         if keep > limit:
             raise bad_request(
                 f"truncate_prompt_tokens ({keep}) exceeds this model's maximum context length of {limit} "
@@ -221,9 +226,9 @@ class OpenAIServing:
                 "truncate_prompt_tokens",
             )
         keep = limit if keep == -1 else keep
-        if len(prompt_ids) <= keep:
-            return prompt_ids
-        return prompt_ids[len(prompt_ids) - keep :] if body.truncation_side == "left" else prompt_ids[:keep]
+        if prompt_len <= keep:
+            return slice(None)
+        return slice(prompt_len - keep, None) if body.truncation_side == "left" else slice(keep)
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
         """The request's generation budget; refuses one that cannot fit in max_model_len."""
@@ -257,6 +262,7 @@ class OpenAIServing:
         structured: StructuredOutput | None,
         prompt_param: str,
         structured_after: list[int] | None = None,
+        prompt_embeds: torch.Tensor | None = None,
     ) -> Submission:
         """An engine request the engine is known to accept (anything else is a 400 naming the
         field to change: the engine's "prompt" is this route's `prompt_param`). structured_after:
@@ -277,7 +283,7 @@ class OpenAIServing:
         try:
             params = self._params(body, max_tokens, logprobs, top_k, structured, structured_after)
             self.engine.check_priority(body.priority)
-            self.engine.validate(prompt_ids, params)
+            self.engine.validate(prompt_ids if prompt_embeds is None else prompt_embeds, params)
         except RequestRejected as error:
             names = {
                 "prompt": prompt_param,
@@ -285,7 +291,15 @@ class OpenAIServing:
                 "structured": "response_format",
             }
             raise bad_request(str(error), names.get(error.param, error.param)) from error
-        return Submission(request_id, prompt_ids, params, choice_offset, body.cache_salt, body.priority)
+        return Submission(
+            request_id,
+            prompt_ids,
+            params,
+            choice_offset,
+            body.cache_salt,
+            body.priority,
+            prompt_embeds=prompt_embeds,
+        )
 
     def _params(
         self,
@@ -334,7 +348,13 @@ class OpenAIServing:
         Closing this generator before it ends aborts every engine request still running.
         """
         streams = [
-            self.engine.generate(s.request_id, s.prompt_ids, s.params, s.cache_salt, s.priority)
+            self.engine.generate(
+                s.request_id,
+                s.prompt_ids if s.prompt_embeds is None else s.prompt_embeds,
+                s.params,
+                s.cache_salt,
+                s.priority,
+            )
             for s in submissions
         ]
         async with aclosing(merge(streams)) as steps:
@@ -389,7 +409,11 @@ def prompt_logprobs_wanted(
 
 def new_choices(submissions: list[Submission]) -> list[Choice]:
     return [
-        Choice(index=s.choice_offset + i, prompt_ids=s.prompt_ids, echo=s.echo)
+        Choice(
+            index=s.choice_offset + i,
+            prompt_ids=s.prompt_ids if s.prompt_embeds is None else None,
+            echo=s.echo,
+        )
         for s in submissions
         for i in range(s.params.n)
     ]
