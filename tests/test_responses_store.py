@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from test_server import MODEL, LiveServer, Served, live_server
 
 from vmkv.server import build_app
@@ -193,11 +194,24 @@ def test_a_drain_refuses_new_responses_and_waits_for_background_runs(served: Ser
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         running = client.responses.create(**greedy(max_output_tokens=LONG, background=True))
         assert not asyncio.run(drain.wait_idle(0.01))  # the run holds the drain though its request returned
+        assert store_gauges(server.url) == {
+            "responses_stored": 1,
+            "responses_stored_bytes": 0,
+            "responses_running": 1,
+        }
         drain.draining = True
         refused = httpx.post(f"{server.url}/v1/responses", json=greedy())
         assert refused.status_code == 503 and refused.headers["retry-after"]
         assert asyncio.run(drain.wait_idle(60))
         assert client.responses.retrieve(running.id).status in ("completed", "incomplete")
+        gauges = store_gauges(server.url)
+        assert gauges["responses_running"] == 0 and gauges["responses_stored_bytes"] == store.num_bytes > 0
+
+
+def store_gauges(url: str) -> dict[str, float]:
+    """The response store's gauges on /metrics."""
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    return {f.name.removeprefix("vmkv:"): f.samples[0].value for f in families if "responses_" in f.name}
 
 
 def stored(response_id: str, text: str, running: bool = False) -> StoredResponse:

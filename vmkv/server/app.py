@@ -206,7 +206,17 @@ def build_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(serving_metrics.render(engine.replica_stats()), media_type=CONTENT_TYPE)
+        kept = {
+            "responses_stored": ("gauge", "Responses kept to fetch or continue.", len(store.entries)),
+            "responses_stored_bytes": (
+                "gauge",
+                "What the kept responses count against --responses-store-mib.",
+                store.num_bytes,
+            ),
+            "responses_running": ("gauge", "Background responses running.", store.num_running),
+        }
+        text = serving_metrics.render(engine.replica_stats(), kept)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @app.get("/version")
     async def server_version() -> VersionResponse:

@@ -107,9 +107,10 @@ class ServingMetrics:
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def render(self, engines: list[EngineStats]) -> str:
+    def render(self, engines: list[EngineStats], front: dict[str, Sample] | None = None) -> str:
         """What the engines report (one per data-parallel replica, labelled `replica` when there
-        are several) and what this front end measured."""
+        are several), what this front end measured, and `front`: vmkv's own figures of this
+        front end's state (the response store's)."""
         labels = [self.labels]
         if len(engines) > 1:
             labels = [{**self.labels, "replica": str(r)} for r in range(len(engines))]
@@ -125,6 +126,8 @@ class ServingMetrics:
         for histogram in (self.ttft, self.itl, self.tpot, self.e2e):
             self._histogram(out, histogram)
         self._engine_samples(out, PREFIX, own, labels)
+        for name, (kind, help_text, value) in (front or {}).items():
+            self._sample(out, PREFIX + name, kind, help_text, [(self.labels, value)])
         return "\n".join(out) + "\n"
 
     def _engine_samples(
