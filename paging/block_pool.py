@@ -138,6 +138,18 @@ class BlockPool:
         block.key = key
         self.cached[block_hash] = block
 
+    def forget_cached(self) -> int:
+        """Empty the prefix-cache index: cached free blocks become plain free ones, blocks in use
+        keep their KV but lose their hash (freed, they are plain). Returns the blocks it held."""
+        forgotten = len(self.cached)
+        for block in list(self.cached.values()):
+            if block.ref_count == 0:
+                del self.cached_free[block.block_id]
+                self.plain_free[block.block_id] = None
+                self._plain_mask[block.block_id] = True
+            self._uncache(block)
+        return forgotten
+
     def _note_in_use(self) -> None:
         self.events.peak_in_use = max(self.events.peak_in_use, self.num_blocks - self.num_free)
 

@@ -361,6 +361,9 @@ class PagedKVCache(KVCache[PagedPlan]):
             if self.enable_prefix_caching:
                 self._cache_computed_blocks(seq)
 
+    def reset_prefix_cache(self) -> int:
+        return self.pool.forget_cached()
+
     def close(self) -> None:
         self.seqs.clear()
         self._rows.clear()

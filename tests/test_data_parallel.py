@@ -127,6 +127,16 @@ def test_an_embedded_prompt_goes_where_its_embeddings_are_cached(
     assert sorted(hits) == [0, 32]  # the second found the first's 4 full blocks: the same replica
 
 
+def test_a_reset_forgets_every_replicas_prefixes_and_where_they_went(replicas: DataParallelLLM) -> None:
+    prompt = list(range(140, 180))
+    asyncio.run(run(replicas, prompt))
+    assert asyncio.run(replicas.reset_prefix_cache()) >= 4
+    assert not any(replicas.router.prefixes)
+    hits = sum(s.prefix_cache_hits for s in replicas.replica_stats())
+    asyncio.run(run(replicas, prompt))
+    assert sum(s.prefix_cache_hits for s in replicas.replica_stats()) == hits
+
+
 def test_replicas_serve_http(replicas: DataParallelLLM) -> None:
     with LiveServer(build_app(EngineClient(replicas), MODEL)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

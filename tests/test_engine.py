@@ -475,3 +475,20 @@ def test_async_engine_thread_crash_fails_streams_and_refuses_new_ones(
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kv_mode", ["vattention", "paged"])
+def test_a_reset_prefix_cache_makes_a_repeated_prompt_start_cold(
+    tiny_model_dir: Path, prompts: list[list[int]], kv_mode: str
+) -> None:
+    llm = make_llm(tiny_model_dir, kv_mode)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    first, warm = llm.generate([prompts[0]], one)[0], llm.generate([prompts[0]], one)[0]
+    forgotten = llm.reset_prefix_cache()
+    cold = llm.generate([prompts[0]], one)[0]
+    stats = llm.engine.stats()
+    llm.close()
+    assert first.num_cached_tokens == 0 and warm.num_cached_tokens >= 16
+    assert forgotten >= 1 and cold.num_cached_tokens == 0
+    assert cold.outputs[0].token_ids == warm.outputs[0].token_ids
+    assert stats.memory.used_bytes == 0

@@ -268,6 +268,26 @@ class ContractLifecycle(RuleBasedStateMachine):
         if self.unchanged_on_failure(self.cache.swap_in, group):
             self.swapped.difference_update(group)
 
+    @rule(data=st.data())
+    def reset_prefix_cache(self, data: st.DataObject) -> None:
+        """Forgetting every cached prefix: what the sequences hold stays (the next step's
+        attention checks it), and a prompt computed before hits nothing now."""
+        capacity = self.cache.free_capacity()
+        self.cache.reset_prefix_cache()
+        assert self.cache.free_capacity() >= capacity
+        assert self.cache.reset_prefix_cache() == 0  # nothing left to forget
+        if self.history:
+            tokens, salt = data.draw(st.sampled_from(self.history))
+            before = self.observe()
+            try:
+                cached = self.cache.admit(self.next_id, list(tokens), cache_salt=salt)
+            except OutOfKVMemory:
+                assert self.observe() == before
+                return
+            assert cached == 0
+            self.cache.free(self.next_id)
+            self.next_id += 1
+
     @precondition(lambda self: isinstance(self.cache, VAttentionKVCache))
     @rule()
     def evict(self) -> None:

@@ -555,6 +555,25 @@ def test_a_full_queue_answers_429_with_retry_after(served: Served) -> None:
         assert full.headers["retry-after"] == "1"
 
 
+def test_a_prefix_cache_reset_makes_the_next_request_start_cold(served: Served) -> None:
+    client = served.openai()
+    prompt = list(range(5, 69))  # 64 tokens: whole blocks and chunks in every layout
+
+    def cached_tokens() -> int:
+        usage = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage
+        return usage.prompt_tokens_details.cached_tokens
+
+    cached_tokens()
+    warm = cached_tokens()
+    forgotten = httpx.post(f"{served.url}/reset_prefix_cache").json()["forgotten"]
+    cold = cached_tokens()
+    if served.kv_mode == "paged":
+        assert warm >= 16 and forgotten >= 1 and cold == 0
+    else:  # no prefix cache in this layout here (see above): nothing to forget
+        assert warm == forgotten == cold == 0
+    assert cached_tokens() == warm  # and the cache fills again
+
+
 def test_oversized_bodies_get_413(served: Served) -> None:
     limit = 1024
     with (
@@ -664,6 +683,7 @@ def test_dead_engine_answers_503_with_its_reason(
             http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}),
             http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT}),
             http.post("/v1/responses", json=in_background),
+            http.post("/reset_prefix_cache"),
         ):
             assert_openai_error(response, 503, None)
             assert reason is None or reason in response.json()["error"]["message"]

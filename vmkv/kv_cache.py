@@ -293,5 +293,11 @@ class KVCache(ABC, Generic[Plan]):
         before prepare(), replacing the last step's. A layout that maps memory may back them
         while this step computes; the others ignore it. Advice only: nothing is reserved."""
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix, so no request admitted later hits what came before (a
+        benchmark that must start cold); the KV of the sequences in the cache stays. Returns the
+        entries forgotten (blocks, chunks); a layout without a prefix cache forgets none."""
+        return 0
+
     def close(self) -> None:  # noqa: B027 - optional hook; layouts holding no OS resources skip it
         """Give back every resource (driver pages, threads)."""

@@ -8,6 +8,7 @@ engine, so the engine itself needs no locks. Leaving a stream early aborts its r
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -58,6 +59,7 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
+        self._calls: set[concurrent.futures.Future] = set()  # resets waiting for the engine thread
         self._stats = self.engine.stats()  # refreshed by the engine thread; never half a step
         self._closed = False
         self.dead_reason: str | None = None  # why the engine stopped or is stopping; None while it runs
@@ -129,6 +131,22 @@ class AsyncLLM:
         self._wake.set()
         return stream
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix, between two steps; returns the entries forgotten. Raises
+        EngineDead if the engine has stopped or stops first."""
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._streams_lock:
+            if self.dead_reason is not None:
+                raise EngineDead(self.dead_reason)
+            self._calls.add(done)
+        self._inbox.put(("reset", done))
+        self._wake.set()
+        try:
+            return await asyncio.wrap_future(done)
+        finally:
+            with self._streams_lock:
+                self._calls.discard(done)
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if still read) gets a final output with finish_reason abort."""
         self._inbox.put(("abort", request_id))
@@ -184,8 +202,12 @@ class AsyncLLM:
         self.dead_reason = reason
         with self._streams_lock:
             streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, set()
         for stream in streams.values():
             self._put(stream, EngineDead(reason))
+        for call in calls:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # it was answered first
+                call.set_exception(EngineDead(reason))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -193,7 +215,10 @@ class AsyncLLM:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if message[0] == "add":
+            if message[0] == "reset":
+                with contextlib.suppress(concurrent.futures.InvalidStateError):  # failed by _die
+                    message[1].set_result(self.engine.reset_prefix_cache())
+            elif message[0] == "add":
                 _, request_id, prompt, params, cache_salt, priority = message
                 try:
                     self.engine.add_request(request_id, prompt, params, cache_salt, priority)

@@ -16,6 +16,7 @@ engine, one after another or at once, and every method is safe from any thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -39,8 +40,10 @@ from vmkv.engine.ipc import (
     AddRequest,
     Command,
     EngineFailed,
+    PrefixCacheReset,
     Ready,
     RequestUpdate,
+    ResetPrefixCache,
     Shutdown,
     StartFailed,
     StopSample,
@@ -104,7 +107,8 @@ class AsyncProcessLLM:
         )
         os.close(child_fd)
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # guards _streams, _dead_reason and the commands socket
+        self._lock = threading.Lock()  # guards _streams, _calls, _dead_reason and the commands socket
+        self._calls: dict[str, concurrent.futures.Future] = {}  # resets awaiting the engine's answer
         self._dead_reason: str | None = None
         self._closed = False
         self._reader: threading.Thread | None = None
@@ -176,6 +180,17 @@ class AsyncProcessLLM:
                 if not finished:
                     self._send_locked(Abort(request_id))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix in the engine process; returns the entries forgotten.
+        Raises EngineDead if the engine has stopped or stops before it answers."""
+        call_id, done = uuid.uuid4().hex, concurrent.futures.Future()
+        with self._lock:
+            if (reason := self.dead_reason) is not None:
+                raise EngineDead(reason)
+            self._calls[call_id] = done
+            self._send_locked(ResetPrefixCache(call_id))
+        return await asyncio.wrap_future(done)
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if still read) gets a final output with finish_reason abort."""
         with self._lock:
@@ -224,6 +239,12 @@ class AsyncProcessLLM:
                 if isinstance(message, EngineFailed):
                     self._die(message.reason)
                     continue
+                if isinstance(message, PrefixCacheReset):
+                    with self._lock:
+                        done = self._calls.pop(message.call_id, None)
+                    if done is not None:
+                        done.set_result(message.forgotten)
+                    continue
                 self._stats = message.stats
                 self._dispatch(message.updates)
             elif self._death_fd in ready:  # the engine process has ended
@@ -264,6 +285,9 @@ class AsyncProcessLLM:
                 logger.error("engine stopped: %s", reason)
             self._dead_reason = self._dead_reason or reason
             streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, {}
+        for done in calls.values():
+            done.set_exception(EngineDead(self._dead_reason))
         for stream in streams.values():
             with contextlib.suppress(RuntimeError):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDead(self._dead_reason))

@@ -15,6 +15,7 @@ The interface is AsyncProcessLLM's, so the server and the bench take either.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections import OrderedDict
@@ -86,6 +87,11 @@ class PrefixRouter:
             return least
         return best
 
+    def forget(self) -> None:
+        """Forget every routed prefix (the replicas' caches were emptied)."""
+        for remembered in self.prefixes:
+            remembered.clear()
+
     def record(self, replica: int, chain: list[int]) -> None:
         remembered = self.prefixes[replica]
         for key in chain:
@@ -136,6 +142,12 @@ class DataParallelLLM:
 
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[str | None, list[int]]:
         return self._replicas[0].llm.validate(prompt, params)
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix in every replica, and where the router sent them."""
+        forgotten = await asyncio.gather(*(replica.llm.reset_prefix_cache() for replica in self._replicas))
+        self.router.forget()
+        return sum(forgotten)
 
     async def generate(
         self,

@@ -28,8 +28,10 @@ from vmkv.engine.ipc import (
     AddRequest,
     Command,
     EngineFailed,
+    PrefixCacheReset,
     Ready,
     RequestUpdate,
+    ResetPrefixCache,
     SampleUpdate,
     Shutdown,
     StartFailed,
@@ -138,6 +140,9 @@ class EngineCore:
                 out = engine.stop_sample(request_id, index)
             case Shutdown():
                 self.running = False
+                out = None
+            case ResetPrefixCache(call_id):
+                self.outputs.send(encoder.encode(PrefixCacheReset(call_id, engine.reset_prefix_cache())))
                 out = None
         return [] if out is None else [out]
 

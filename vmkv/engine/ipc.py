@@ -49,7 +49,13 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = AddRequest | Abort | StopSample | Shutdown
+class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
+    """Forget every cached prefix; answered by PrefixCacheReset with the same call id."""
+
+    call_id: str
+
+
+Command = AddRequest | Abort | StopSample | Shutdown | ResetPrefixCache
 
 
 class SampleUpdate(msgspec.Struct, array_like=True):
@@ -82,7 +88,12 @@ class EngineFailed(msgspec.Struct, tag=True, array_like=True):
     reason: str
 
 
-Output = StepOutputs | EngineFailed
+class PrefixCacheReset(msgspec.Struct, tag=True, array_like=True):
+    call_id: str
+    forgotten: int  # cache entries (blocks, chunks)
+
+
+Output = StepOutputs | EngineFailed | PrefixCacheReset
 
 
 class Ready(msgspec.Struct, tag=True):

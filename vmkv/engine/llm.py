@@ -103,6 +103,11 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix, so the next prompts start cold; returns the entries
+        (blocks, chunks) forgotten."""
+        return self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         self.engine.close()
 

@@ -232,6 +232,10 @@ class LLMEngine:
             group.error = reason
         return self._fail(list(self._groups.values()), reason)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (KVCache.reset_prefix_cache); returns the entries forgotten."""
+        return self.cache.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.grammars.num_pending > 0
 

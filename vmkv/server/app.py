@@ -14,7 +14,7 @@ from fastapi.responses import PlainTextResponse, Response
 from vmkv.server.chat import ChatServing
 from vmkv.server.completions import CompletionServing
 from vmkv.server.engine_client import EngineClient, EngineDeadError
-from vmkv.server.errors import error_response, install_error_handlers
+from vmkv.server.errors import APIError, error_response, install_error_handlers
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, APIKeyGuard, BodySizeLimit
 from vmkv.server.limits import RequestLimits
 from vmkv.server.metrics import CONTENT_TYPE, ServingMetrics
@@ -28,6 +28,7 @@ from vmkv.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ResetPrefixCacheResponse,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
@@ -169,6 +170,15 @@ def build_app(
     async def retrieve_model(model: str) -> ModelCard:
         chat.check_model(model)
         return model_card()
+
+    @api.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> ResetPrefixCacheResponse:
+        """Forget every cached prompt prefix, so the next requests start cold (benchmarks)."""
+        try:
+            forgotten = await engine.reset_prefix_cache()
+        except EngineDeadError as error:
+            raise APIError(503, str(error)) from error
+        return ResetPrefixCacheResponse(forgotten=forgotten)
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

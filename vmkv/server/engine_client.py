@@ -122,6 +122,13 @@ class EngineClient:
         finally:
             await stream.aclose()
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the entries (blocks, chunks) forgotten."""
+        try:
+            return await self.llm.reset_prefix_cache()
+        except EngineDead as error:
+            raise _engine_dead(str(error)) from error
+
     def stats(self) -> EngineStats:
         return self.llm.stats()
 

@@ -499,6 +499,10 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ResetPrefixCacheResponse(BaseModel):
+    forgotten: int  # cache entries (paged blocks, vattention chunks) the reset dropped
+
+
 class TokenizeRequest(OpenAIModel):
     """Either a prompt or chat messages (rendered with the chat template first)."""
 

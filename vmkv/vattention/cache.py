@@ -370,6 +370,15 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         if self._mapper is not None:
             self._mapper.wait_idle()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the index's reference on every cached chunk: a set no slot maps is free at once."""
+        with self._lock:
+            if self.prefix is None:
+                return 0
+            forgotten = len(self.prefix.chunks)
+            self.prefix.clear()
+            return forgotten
+
     def close(self) -> None:
         """Stop the mapper, unmap everything and give the pages (and an own driver) back."""
         if self._closed:

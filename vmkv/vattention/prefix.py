@@ -207,7 +207,7 @@ class PrefixIndex:
         return freed
 
     def clear(self) -> None:
-        """Drop every chunk's reference (close)."""
+        """Drop every chunk's reference (close, a reset): sequences keep what they map."""
         for chunk in self.chunks.values():
             for s in chunk.sets:
                 self.pool.release(s, index=True)
