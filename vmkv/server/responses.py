@@ -330,7 +330,8 @@ class ResponsesServing:
                     async for event in events:
                         entry.append(event)
                 entry.response = stream.final
-            entry.conversation = run.conversation + [answer_message(entry.response)]
+            if entry.response.status != "failed":  # a failed stream said nothing to continue from
+                entry.conversation = run.conversation + [answer_message(entry.response)]
         except (EngineDeadError, RequestFailed, RequestRejected) as error:
             entry.response = self.envelope(run, [], None, status="failed", error=str(error))
         except Exception:  # a fault here: logged, and the response fails rather than hangs
