@@ -55,7 +55,7 @@ from vmkv.engine.ipc import (
 from vmkv.engine.llm_engine import EngineStats
 from vmkv.engine.output_processor import RequestState
 from vmkv.engine.outputs import RequestOutput
-from vmkv.engine.prompt_embeds import EmbedsPayload
+from vmkv.engine.prompt_embeds import EmbedsPayload, prompt_rows
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.model.store import load_tokenizer, resolve_model
 
@@ -155,7 +155,7 @@ class AsyncProcessLLM:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         self.info.check_priority(priority)
-        embeds = self.info.prompt_embeds(prompt, params) if isinstance(prompt, torch.Tensor) else None
+        embeds = prompt_rows(prompt) if isinstance(prompt, torch.Tensor) else None  # validated above
         state = RequestState(
             request_id, text, prompt_ids, params, self.tokenizer, embedded=embeds is not None
         )

@@ -30,7 +30,7 @@ from vmkv.engine.config import EngineConfig
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.llm_engine import EngineStats
 from vmkv.engine.outputs import RequestOutput
-from vmkv.engine.prompt_embeds import embeds_cache_salt
+from vmkv.engine.prompt_embeds import embeds_cache_salt, prompt_rows
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.kv_cache import KVMemory, KVStats
 
@@ -140,7 +140,9 @@ class DataParallelLLM:
     def pids(self) -> list[int]:
         return [r.llm.pid for r in self._replicas]
 
-    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+    def validate(
+        self, prompt: str | Sequence[int] | torch.Tensor, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
         return self._replicas[0].llm.validate(prompt, params)
 
     async def reset_prefix_cache(self) -> int:
@@ -169,7 +171,7 @@ class DataParallelLLM:
         else:
             salt = cache_salt
             if isinstance(prompt, torch.Tensor):  # placeholders: the embeddings' digest tells prompts apart
-                salt = embeds_cache_salt(self.info.prompt_embeds(prompt, params), cache_salt)
+                salt = embeds_cache_salt(prompt_rows(prompt), cache_salt)
             chain = self.router.chain(prompt_ids, salt)
             index = self.router.pick(chain, [r.load for r in self._replicas])
             self.router.record(index, chain)

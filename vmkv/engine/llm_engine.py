@@ -25,7 +25,7 @@ from vmkv.engine.errors import RequestRejected
 from vmkv.engine.kv_factory import build_kv_cache
 from vmkv.engine.model_runner import ModelRunner
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from vmkv.engine.prompt_embeds import embeds_cache_salt, text_context
+from vmkv.engine.prompt_embeds import embeds_cache_salt, prompt_rows, text_context
 from vmkv.engine.sampler import Sampler, SampleRow
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import ScheduledSeq, Scheduler
@@ -165,8 +165,8 @@ class LLMEngine:
         self.info.check_priority(priority)
         text, prompt_ids = self.validate(prompt, params)
         embeds = None
-        if isinstance(prompt, torch.Tensor):
-            embeds = self.info.prompt_embeds(prompt, params)
+        if isinstance(prompt, torch.Tensor):  # validated above
+            embeds = prompt_rows(prompt)
             cache_salt = embeds_cache_salt(embeds, cache_salt)
         if params.prompt_logprobs is not None:  # a cached token has no logits: share nothing
             cache_salt = f"prompt-logprobs:{uuid.uuid4().hex}"

@@ -23,11 +23,18 @@ PLACEHOLDER_TOKEN_ID = 0  # what an embedded prompt's token ids read
 PARAM = "prompt_embeds"
 
 
-def check_prompt_embeds(embeds: torch.Tensor, hidden_size: int, params: SamplingParams) -> torch.Tensor:
-    """The prompt's embeddings as a [P, hidden] CPU tensor, or RequestRejected saying what is wrong.
-    A [1, P, hidden] batch of one is taken too."""
+def prompt_rows(embeds: torch.Tensor) -> torch.Tensor:
+    """A prompt's embeddings as rows on the CPU: [P, hidden] for a [1, P, hidden] batch of one."""
     if embeds.dim() == 3 and embeds.shape[0] == 1:
         embeds = embeds[0]
+    return embeds.detach().to("cpu").contiguous()
+
+
+def check_prompt_embeds(embeds: torch.Tensor, hidden_size: int, params: SamplingParams) -> torch.Tensor:
+    """The prompt's embeddings as [P, hidden] rows (prompt_rows), or RequestRejected saying what
+    is wrong. A caller that has validated a prompt takes its rows with prompt_rows: the checks
+    read every value."""
+    embeds = prompt_rows(embeds)
     if embeds.dim() != 2 or embeds.shape[0] < 1 or embeds.shape[1] != hidden_size:
         raise RequestRejected(
             f"prompt_embeds must have the shape [tokens, {hidden_size}] (the model's hidden size), "
@@ -47,7 +54,7 @@ def check_prompt_embeds(embeds: torch.Tensor, hidden_size: int, params: Sampling
         raise RequestRejected(
             "prompt_logprobs score the prompt's tokens, and an embedded prompt has none", "prompt_logprobs"
         )
-    return embeds.detach().to("cpu").contiguous()
+    return embeds
 
 
 def embeds_cache_salt(embeds: torch.Tensor, cache_salt: str | None) -> str:
