@@ -78,6 +78,21 @@ def test_compiled_and_eager_agree_on_an_embedded_prompt(
     assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
 
 
+def test_beams_from_embeddings_read_as_the_beams_from_their_tokens(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    """Beam search decodes its answer whole at the end, with the same (empty) prompt context
+    as every other detokenizer of an embedded prompt: same beams, same text."""
+    llm = make_llm(tiny_model_dir, "paged")
+    beams = SamplingParams(n=2, use_beam_search=True, max_tokens=8)
+    from_ids, from_embeds = llm.generate([prompts[0], embedded(llm, prompts[0])], beams)
+    llm.close()
+    assert [(o.token_ids, o.text) for o in from_embeds.outputs] == [
+        (o.token_ids, o.text) for o in from_ids.outputs
+    ]
+    assert all(o.text for o in from_ids.outputs)
+
+
 @pytest.mark.parametrize("kv_mode", ["vattention", "paged"])
 def test_only_equal_embeddings_share_cached_kv(
     tiny_model_dir: Path, prompts: list[list[int]], kv_mode: str

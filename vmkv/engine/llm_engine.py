@@ -565,7 +565,7 @@ class LLMEngine:
         caller detokenizes)."""
         if not self.detokenize:
             return ""
-        prompt = group.prompt_token_ids
+        prompt = text_context(group.prompt_token_ids, group.prompt_embeds is not None)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, group.params.skip_special_tokens)
         return detokenizer.step(prompt + token_ids, final=True)
 
