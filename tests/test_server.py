@@ -664,10 +664,12 @@ def test_dead_engine_answers_503_with_its_reason(
     ):
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
         in_background = {"model": MODEL, "input": "Hello", "max_output_tokens": 200, "temperature": 0.0}
+        # queued first: between the stream's first line and the stop nothing may wait, or the
+        # stream could finish before the engine stops
+        response_id = http.post("/v1/responses", json=in_background | {"background": True}).json()["id"]
         with http.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             first = next(lines)
-            response_id = http.post("/v1/responses", json=in_background | {"background": True}).json()["id"]
             stop(engine)
             payloads = sse_payloads([first, *lines])
         assert payloads[-1] == "[DONE]"
