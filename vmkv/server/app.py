@@ -17,6 +17,14 @@ from vmkv.server.engine_client import EngineClient, EngineDeadError
 from vmkv.server.errors import APIError, error_response, install_error_handlers
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, APIKeyGuard, BodySizeLimit
 from vmkv.server.limits import RequestLimits
+from vmkv.server.messages import MessagesServing
+from vmkv.server.messages_protocol import (
+    AnthropicErrorResponse,
+    MessageObject,
+    MessagesInput,
+    MessagesRequest,
+    TokenCount,
+)
 from vmkv.server.metrics import CONTENT_TYPE, ServingMetrics
 from vmkv.server.protocol import (
     ChatCompletionRequest,
@@ -102,6 +110,7 @@ def build_app(
     )
     store = response_store or ResponseStore(int(DEFAULT_STORE_MIB * 2**20))
     responses = ResponsesServing(chat, store)
+    messages = MessagesServing(chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -158,6 +167,21 @@ def build_app(
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> ResponseDeleted:
         return await responses.delete(response_id)
+
+    anthropic_errors = {status: {"model": AnthropicErrorResponse} for status in ERROR_RESPONSES}
+
+    @api.post(
+        "/v1/messages",
+        response_model=None,
+        responses={**stream_or_json(MessageObject), **anthropic_errors},
+    )
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        """Anthropic's Messages API; errors come in its format."""
+        return await messages.create(body, request)
+
+    @api.post("/v1/messages/count_tokens", responses=anthropic_errors)
+    async def count_message_tokens(body: MessagesInput) -> TokenCount:
+        return await messages.count_tokens(body)
 
     def model_card() -> ModelCard:
         return ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)

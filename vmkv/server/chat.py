@@ -4,7 +4,6 @@ request whose n samples are the choices; echo of an assistant message, tool call
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import json
 from collections.abc import AsyncGenerator
@@ -188,6 +187,17 @@ class ChatServing(OpenAIServing):
                 ) from error
             raise bad_request(f"the chat template refused these messages: {error}", "messages") from error
 
+    def render_request(self, body: ChatCompletionRequest) -> str:
+        """The request's prompt text: its conversation as its template writes it."""
+        return self.render_chat(
+            body.messages,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            (body.chat_template_kwargs or {}) | self.effort_kwargs(body),
+            template_tools(body.tools),
+            self.request_template(body.chat_template),
+        )
+
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         run = await self.prepare(body)
         request_id, submissions, reasoning = run.request_id, run.submissions, run.reasoning
@@ -218,17 +228,12 @@ class ChatServing(OpenAIServing):
         self.check_alive()
         self.check_limits(1, body)
         structured = await self.structured_output(body, [("tool_choice", forced_tool(body))])
-        render = functools.partial(
-            self.render_chat,
-            body.messages,
-            body.add_generation_prompt,
-            body.continue_final_message,
-            (body.chat_template_kwargs or {}) | self.effort_kwargs(body),
-            template_tools(body.tools),
-            self.request_template(body.chat_template),
-        )
         # a request's template is code of unknown cost: rendered off the event loop's thread
-        text = await asyncio.to_thread(render) if body.chat_template else render()
+        text = (
+            await asyncio.to_thread(self.render_request, body)
+            if body.chat_template
+            else self.render_request(body)
+        )
         prompt_ids = self.truncated(await self.encode(text, add_special_tokens=False, param="messages"), body)
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

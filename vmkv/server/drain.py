@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_GRACE_SECONDS = 30.0
 RETRY_AFTER_SECONDS = 5
 FLUSH_SECONDS = 2.0  # for the streams the engine's stop just ended to send their last events
-DRAINED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/health")
+DRAINED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/health")
 
 
 class Drain:
@@ -44,7 +44,9 @@ class Drain:
             await self.app(scope, receive, send)
             return
         if self.draining:
-            response = error_response(503, "the server is shutting down; retry on another instance")
+            response = error_response(
+                503, "the server is shutting down; retry on another instance", path=scope["path"]
+            )
             response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
             await response(scope, receive, send)
             return

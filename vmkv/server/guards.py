@@ -34,7 +34,7 @@ class BodySizeLimit:
             return
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await error_response(413, self._message(declared))(scope, receive, send)
+            await error_response(413, self._message(declared), path=scope["path"])(scope, receive, send)
             return
 
         received = 0
@@ -59,7 +59,8 @@ PROBE_PATHS = ("/health", "/version")  # what a load balancer or orchestrator as
 
 
 class APIKeyGuard:
-    """Answers 401 unless the request carries `Authorization: Bearer <key>` for one of `keys`.
+    """Answers 401 unless the request carries `Authorization: Bearer <key>` (or, as Anthropic's
+    clients send it, `x-api-key: <key>`) for one of `keys`.
 
     It runs before anything else reads the request, so an unauthenticated caller learns
     nothing (not even whether its JSON parses). Every route wants a key, the API docs and the
@@ -72,17 +73,23 @@ class APIKeyGuard:
         if not keys or any(not isinstance(key, str) or not key for key in keys):
             raise ValueError("API keys must be non-empty strings")
         self.app = app
-        self.expected = [f"Bearer {key}".encode() for key in keys]
+        self.keys = [key.encode() for key in keys]
         self.open_paths = PROBE_PATHS + (("/metrics",) if open_metrics else ())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        given = Headers(scope=scope).get("authorization", "").encode()
-        matches = [secrets.compare_digest(given, expected) for expected in self.expected]
+        headers = Headers(scope=scope)
+        bearer = headers.get("authorization", "").encode()
+        x_api_key = headers.get("x-api-key", "").encode()
+        matches = [secrets.compare_digest(bearer, b"Bearer " + key) for key in self.keys] + [
+            secrets.compare_digest(x_api_key, key) for key in self.keys
+        ]
         if not any(matches):
-            response = error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+            response = error_response(
+                401, "missing or invalid API key: send 'Authorization: Bearer <key>'", path=scope["path"]
+            )
             response.headers["WWW-Authenticate"] = "Bearer"
             await response(scope, receive, send)
             return

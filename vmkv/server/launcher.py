@@ -54,8 +54,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         dest="api_keys",
         action="append",
         default=[key for key in os.environ.get(API_KEY_ENV, "").split(",") if key],
-        help="require 'Authorization: Bearer KEY' on every route but /health and /version; "
-        f"repeat for several keys (env {API_KEY_ENV}, comma-separated)",
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health and "
+        f"/version; repeat for several keys (env {API_KEY_ENV}, comma-separated)",
     )
     server.add_argument(
         "--metrics-without-key",

@@ -431,7 +431,11 @@ def usage(submissions: list[Submission], choices: list[Choice]) -> Usage:
     )
 
 
+def failure_status(error: Exception) -> int:
+    """The status a failure after a stream began would have had: sent inside its error event."""
+    return 503 if isinstance(error, EngineDeadError) else 400 if isinstance(error, RequestRejected) else 500
+
+
 def error_event(error: Exception) -> str:
     """A failure after the stream began: the status is already sent, so the error travels as an event."""
-    status = 503 if isinstance(error, EngineDeadError) else 400 if isinstance(error, RequestRejected) else 500
-    return sse_event(error_body(status, str(error)))
+    return sse_event(error_body(failure_status(error), str(error)))
