@@ -1306,6 +1306,96 @@ def test_a_reasoning_parser_puts_the_thinking_in_a_reasoning_item(served: Served
     assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
 
 
+def test_a_response_takes_vllms_sampling_fields_as_chat_does(client: openai.OpenAI) -> None:
+    """Seeded sampling through every extension that changes the draw: the response's text is the
+    chat's with the same fields (and not the chat's without them), stop strings cut it alike,
+    and a vLLM structured output constrains it."""
+    sampling = {
+        "seed": 7,
+        "top_k": 20,
+        "min_p": 0.02,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.3,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"5": 5.0},
+    }
+    request = dict(
+        model=MODEL, instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=12, temperature=1.0
+    )
+
+    def chat_text(**extra: object) -> str:
+        body = as_chat(max_tokens=12) | {"temperature": 1.0}
+        return client.chat.completions.create(**body, extra_body=extra).choices[0].message.content
+
+    drawn = chat_text(**sampling)
+    assert client.responses.create(**request, extra_body=sampling).output_text == drawn
+    assert chat_text(seed=7) != drawn
+    stop = {"stop": [drawn[len(drawn) // 2 :][:2]], "include_stop_str_in_output": True}
+    cut = client.responses.create(**request, extra_body=sampling | stop).output_text
+    assert cut == chat_text(**sampling, **stop) and len(cut) < len(drawn)
+    choice = {"structured_outputs": {"choice": ["paged", "vattention"]}}
+    assert client.responses.create(**request, extra_body=choice).output_text in ("paged", "vattention")
+    with pytest.raises(openai.BadRequestError) as caught:  # under the default fcfs policy
+        client.responses.create(**request, extra_body={"priority": 1})
+    assert caught.value.body["param"] == "priority"
+
+
+def test_include_reasoning_false_leaves_the_thinking_out(served: Served) -> None:
+    """deepseek_r1 over the random model reads its whole answer as thinking: without it, chat's
+    message and deltas carry no reasoning and the response no reasoning item."""
+    with LiveServer(build_app(served.engine, MODEL, reasoning_parser="deepseek_r1")) as server:
+        reasoner = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        hidden = {"include_reasoning": False}
+        chat = dict(model=MODEL, messages=ASK, max_tokens=8, temperature=0.0)
+        shown = reasoner.chat.completions.create(**chat).choices[0].message
+        assert shown.model_extra.get("reasoning")
+        message = reasoner.chat.completions.create(**chat, extra_body=hidden).choices[0].message
+        assert message.content is None and "reasoning" not in message.model_extra
+        chunks = list(reasoner.chat.completions.create(**chat, stream=True, extra_body=hidden))
+        assert not any(c.choices and c.choices[0].delta.model_extra.get("reasoning") for c in chunks)
+        request = dict(model=MODEL, input=QUESTION, max_output_tokens=8, temperature=0.0, extra_body=hidden)
+        assert [item.type for item in reasoner.responses.create(**request).output] == ["message"]
+        events = list(reasoner.responses.create(**request, stream=True))
+        assert not any(e.type.startswith("response.reasoning") for e in events)
+        assert [item.type for item in events[-1].response.output] == ["message"]
+        assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 8  # still counted
+
+
+def test_chat_add_special_tokens_puts_the_tokenizers_own_around_the_rendered_chat(
+    client: openai.OpenAI, served: Served
+) -> None:
+    request = dict(model=MODEL, messages=ASK, max_tokens=1, temperature=0.0)
+    plain = client.chat.completions.create(**request).usage.prompt_tokens
+    added = client.chat.completions.create(
+        **request, extra_body={"add_special_tokens": True}
+    ).usage.prompt_tokens
+    tokenizer = served.engine.tokenizer
+    extra = len(tokenizer("x")["input_ids"]) - len(tokenizer("x", add_special_tokens=False)["input_ids"])
+    assert added == plain + extra
+
+
+def test_documents_reach_a_template_that_reads_them_and_are_a_400_for_one_that_does_not(
+    client: openai.OpenAI, served: Served
+) -> None:
+    documents = [{"title": "Layouts", "text": "vattention keeps KV contiguous."}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=1, extra_body={"documents": documents}
+        )
+    assert caught.value.body["param"] == "documents"
+    reads_documents = (
+        "{% for d in documents or [] %}{{ d['title'] + ': ' + d['text'] + '\\n' }}{% endfor %}"
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}assistant:"
+    )
+    with LiveServer(build_app(served.engine, MODEL, chat_template=reads_documents)) as server:
+        retriever = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        answer = retriever.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=1, extra_body={"documents": documents}
+        )
+    rendered = "Layouts: vattention keeps KV contiguous.\nuser: Weather in Paris?\nassistant:"
+    assert answer.usage.prompt_tokens == len(token_ids(served, rendered))
+
+
 RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the API's flat shape
 
 

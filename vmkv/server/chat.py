@@ -144,11 +144,13 @@ class ChatServing(OpenAIServing):
         template_kwargs: dict[str, object] | None = None,
         tools: list[dict] | None = None,
         chat_template: str | None = None,
+        documents: list[dict[str, str]] | None = None,
     ) -> str:
         """The conversation as the chat template writes it: a request's `chat_template`, else the
         server's, else the model's. continue_final_message leaves the last message open, so the
         answer continues it; template_kwargs are the template's own variables (for example a
-        switch some templates read); tools go to templates that describe them to the model."""
+        switch some templates read); tools go to templates that describe them to the model, and
+        documents to those that read them (a 400 for one that does not: they would change nothing)."""
         template = chat_template or self.chat_template
         if not (template or self.tokenizer.chat_template):
             raise bad_request(
@@ -169,6 +171,10 @@ class ChatServing(OpenAIServing):
                 "parameters, not template variables",
                 "chat_template_kwargs",
             )
+        if documents is not None and "documents" not in template_variables(
+            template or self.tokenizer.chat_template
+        ):
+            raise bad_request("the chat template does not read documents", "documents")
         conversation = [template_message(message) for message in messages]
         try:
             return self.tokenizer.apply_chat_template(
@@ -178,6 +184,7 @@ class ChatServing(OpenAIServing):
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=template,
+                documents=documents,
                 **template_kwargs,
             )
         except Exception as error:  # a template may refuse a conversation (e.g. its role order)
@@ -196,6 +203,7 @@ class ChatServing(OpenAIServing):
             (body.chat_template_kwargs or {}) | self.effort_kwargs(body),
             template_tools(body.tools),
             self.request_template(body.chat_template),
+            body.documents,
         )
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -234,7 +242,9 @@ class ChatServing(OpenAIServing):
             if body.chat_template
             else self.render_request(body)
         )
-        prompt_ids = self.truncated(await self.encode(text, add_special_tokens=False, param="messages"), body)
+        prompt_ids = self.truncated(
+            await self.encode(text, add_special_tokens=body.add_special_tokens, param="messages"), body
+        )
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         request_id = random_id(id_prefix)
@@ -272,7 +282,7 @@ class ChatServing(OpenAIServing):
             message=AssistantMessage(
                 content=None if content is None else choice.echo + content,
                 tool_calls=calls,
-                reasoning=reasoning,
+                reasoning=reasoning if body.include_reasoning else None,
             ),
             logprobs=logprob_format.chat(choice.logprobs) if body.logprobs else None,
             finish_reason=finish_reason(body, choice.finish_reason, bool(calls)),
@@ -312,7 +322,7 @@ class ChatServing(OpenAIServing):
                 message = DeltaMessage(content=text) if text else None
             else:
                 message = stream.delta(text, finished)
-            if reasoning:
+            if reasoning and body.include_reasoning:
                 message = message or DeltaMessage()
                 message.reasoning = reasoning
             return message

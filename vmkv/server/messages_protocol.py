@@ -175,6 +175,9 @@ class MessagesInput(OpenAIModel):
         description="format: JSON valid against a schema (a structured output); effort: as chat's "
         "reasoning_effort.",
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="vLLM's: extra variables for the model's chat template."
+    )
 
     def prompt_fields(self, reasoning_effort: str | None) -> dict[str, Any]:
         """The chat completion fields that make the same prompt. A conversation ending on the
@@ -189,6 +192,7 @@ class MessagesInput(OpenAIModel):
             "tool_choice": self.chat_tool_choice(),
             "parallel_tool_calls": False if disable_parallel else None,
             "reasoning_effort": reasoning_effort,
+            "chat_template_kwargs": self.chat_template_kwargs,
             "response_format": self.response_format(),
             "add_generation_prompt": not prefilled,
             "continue_final_message": prefilled,
@@ -275,6 +279,9 @@ class MessagesRequest(MessagesInput):
     top_k: Annotated[StrictInt, Field(ge=0, description="0 or null: no top-k cut.")] | None = None
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    cache_salt: NonEmptyText | None = Field(
+        default=None, description="vLLM's: requests share cached prefixes only when their salts are equal."
+    )
     # known and refused with a 400 when set (see docs/server.md)
     mcp_servers: list[Any] | None = None
     container: Any = None
@@ -290,6 +297,7 @@ class MessagesRequest(MessagesInput):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k,
             user=None if self.metadata is None else self.metadata.user_id,
+            cache_salt=self.cache_salt,
         )
 
 

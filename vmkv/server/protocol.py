@@ -108,7 +108,40 @@ class StructuredOutputsParams(OpenAIModel):
     json_object: StrictBool | None = None
 
 
-class SamplingFields(OpenAIModel):
+class SamplingExtensions(OpenAIModel):
+    """vLLM's sampling fields beyond OpenAI's, which every generation endpoint takes (its
+    Responses endpoint too, where OpenAI's API has none of them)."""
+
+    top_k: Annotated[StrictInt, Field(ge=-1, description="-1, 0 or null: no top-k cut.")] | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
+    ignore_eos: StrictBool = False
+    cache_salt: NonEmptyText | None = Field(
+        default=None, description="Requests share cached prefixes only when their salts are equal."
+    )
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=100.0)] = 1.0
+    min_p: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=1.0)] = 0.0
+    logit_bias: LogitBias | None = None
+    skip_special_tokens: StrictBool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: StrictBool = Field(
+        default=False, description="Keep the stop string that ended a choice in its text."
+    )
+    priority: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] = Field(
+        default=0, description="Lower runs first; needs the server's --scheduling-policy priority."
+    )
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class SamplingFields(SamplingExtensions):
     """Parameters both generation endpoints share, with the OpenAI defaults. The vLLM extensions
     the engine implements are here too; fields the server knows but does not implement are
     declared as well, so that a request setting one is refused (400) instead of ignored."""
@@ -116,27 +149,12 @@ class SamplingFields(OpenAIModel):
     model: Text | None = None
     temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=100.0)] = 1.0
     top_p: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[StrictInt, Field(ge=-1, description="-1, 0 or null: no top-k cut.")] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
-    stop: NonEmptyText | list[NonEmptyText] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
-    ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    cache_salt: NonEmptyText | None = Field(
-        default=None, description="Requests share cached prefixes only when their salts are equal."
-    )
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=100.0)] = 1.0
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
-    min_p: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=1.0)] = 0.0
-    logit_bias: LogitBias | None = None
-    skip_special_tokens: StrictBool = True
     user: Text | None = Field(default=None, description="Accepted for OpenAI clients; changes nothing.")
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsParams | None = None
     guided_json: JsonSchema | Text | None = None
     guided_regex: NonEmptyText | None = None
     guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
@@ -155,17 +173,11 @@ class SamplingFields(OpenAIModel):
     truncation_side: Literal["left", "right"] = Field(
         default="left", description="left keeps the prompt's last tokens, right its first."
     )
-    include_stop_str_in_output: StrictBool = Field(
-        default=False, description="Keep the stop string that ended a choice in its text."
-    )
     return_tokens_as_token_ids: StrictBool | None = Field(
         default=None, description='Logprobs name each token "token_id:<id>" instead of its text.'
     )
     return_token_ids: StrictBool | None = Field(
         default=None, description="Each choice carries its token ids, and the response the prompt's."
-    )
-    priority: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] = Field(
-        default=0, description="Lower runs first; needs the server's --scheduling-policy priority."
     )
     # known and refused with a 400 when set (see docs/server.md)
     logits_processors: list[Any] | None = None
@@ -173,12 +185,6 @@ class SamplingFields(OpenAIModel):
     length_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False)] = 1.0
     spaces_between_special_tokens: StrictBool = True
     prompt_embeds: Any = None
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
     def include_usage(self) -> bool:
@@ -297,6 +303,17 @@ class ChatCompletionRequest(SamplingFields):
     echo: StrictBool = Field(
         default=False,
         description="Start each choice with the last message's content if it is the assistant's.",
+    )
+    include_reasoning: StrictBool = Field(
+        default=True, description="false: the reasoning a reasoning parser splits off is left out."
+    )
+    add_special_tokens: StrictBool = Field(
+        default=False,
+        description="Tokenize the rendered chat with the tokenizer's special tokens (BOS) on top of the "
+        "template's.",
+    )
+    documents: list[dict[str, Text]] | None = Field(
+        default=None, description="For templates that read them (retrieval templates): the documents."
     )
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(

@@ -176,7 +176,7 @@ class ResponsesServing:
         )
         status = item_status(choice)
         output: list[OutputItem] = []
-        if reasoning is not None:
+        if reasoning is not None and run.body.include_reasoning:
             thinking = [ReasoningText(text=reasoning)]
             output.append(ReasoningItem(id=item_id("rs", run.id), content=thinking, status=status))
         parses = self.chat.parses_calls(chat_body)
@@ -281,7 +281,8 @@ class ResponsesServing:
                     for item in step:
                         tokens = item.delta.logprobs or []
                         logprobs = self.logprob_format.chat(tokens).content if wanted else []
-                        for event in step_events(stream, item.delta, logprobs, thoughts, calls):
+                        shown = run.body.include_reasoning
+                        for event in step_events(stream, item.delta, logprobs, thoughts, calls, shown):
                             yield event
             (choice,) = choices
             for event in stream.close(item_status(choice)):
@@ -523,13 +524,15 @@ def step_events(
     logprobs: list[TokenLogprob],
     thoughts: ReasoningStream | None,
     calls: ForcedCallStream | HermesStream | None,
+    show_reasoning: bool = True,
 ) -> list[str]:
-    """The events of one step's delta: its reasoning, then its text or the calls it makes."""
+    """The events of one step's delta: its reasoning (unless hidden), then its text or the calls
+    it makes."""
     text, finished = delta.text, delta.finish_reason is not None
     reasoning = ""
     if thoughts is not None:
         reasoning, text = thoughts.delta(text, finished)
-    events = stream.reasoning(reasoning)
+    events = stream.reasoning(reasoning) if show_reasoning else []
     if calls is None:
         return events + stream.text(text, logprobs)
     message = calls.delta(text, finished)

@@ -23,6 +23,7 @@ from vmkv.server.protocol import (
     OpenAIModel,
     ReasoningEffort,
     ResponseFormat,
+    SamplingExtensions,
     Text,
     TokenLogprob,
     ToolCall,
@@ -114,7 +115,9 @@ class TextOptions(OpenAIModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
-class ResponsesRequest(OpenAIModel):
+class ResponsesRequest(SamplingExtensions):
+    """OpenAI's fields, and vLLM's sampling extensions (SamplingExtensions) as chat has them."""
+
     model: Text | None = None
     input: Text | Annotated[list[InputItem], Field(min_length=1)]
     instructions: Text | None = Field(default=None, description="A system message before the input.")
@@ -137,6 +140,12 @@ class ResponsesRequest(OpenAIModel):
     reasoning: ReasoningOptions | None = None
     previous_response_id: Text | None = None
     background: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="vLLM's: extra variables for the model's chat template."
+    )
+    include_reasoning: StrictBool = Field(
+        default=True, description="vLLM's: false leaves the reasoning item out."
+    )
 
     @property
     def logprobs(self) -> bool:
@@ -222,6 +231,9 @@ class ResponsesRequest(OpenAIModel):
             if isinstance(self.tool_choice, NamedFunctionChoice)
             else self.tool_choice,
             parallel_tool_calls=self.parallel_tool_calls,
+            chat_template_kwargs=self.chat_template_kwargs,
+            include_reasoning=self.include_reasoning,
+            **{name: getattr(self, name) for name in SamplingExtensions.model_fields},
         )
 
 
