@@ -1361,6 +1361,28 @@ def test_include_reasoning_false_leaves_the_thinking_out(served: Served) -> None
         assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 8  # still counted
 
 
+def test_a_thinking_token_budget_ends_the_thinking_and_the_answer_follows(
+    client: openai.OpenAI, served: Served
+) -> None:
+    """The random model never closes its thinking (deepseek_r1 reads it all as reasoning); with
+    a budget of 3 its end is forced after three tokens and the rest is the answer."""
+    budget = {"thinking_token_budget": 3}
+    chat = dict(model=MODEL, messages=ASK, max_tokens=12, temperature=0.0)
+    with pytest.raises(openai.BadRequestError) as caught:  # no reasoning parser: no known end
+        client.chat.completions.create(**chat, extra_body=budget)
+    assert caught.value.body["param"] == "thinking_token_budget"
+    with LiveServer(build_app(served.engine, MODEL, reasoning_parser="deepseek_r1")) as server:
+        reasoner = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        free = reasoner.chat.completions.create(**chat).choices[0].message
+        assert free.content is None and free.model_extra["reasoning"]
+        capped = reasoner.chat.completions.create(**chat, extra_body=budget)
+        message = capped.choices[0].message
+        assert message.content and message.model_extra["reasoning"]
+        ids = reasoner.chat.completions.create(**chat, extra_body=budget | {"return_token_ids": True})
+        end = token_ids(served, "</think>")
+        assert ids.choices[0].model_extra["token_ids"][3 : 3 + len(end)] == end
+
+
 def test_chat_add_special_tokens_puts_the_tokenizers_own_around_the_rendered_chat(
     client: openai.OpenAI, served: Served
 ) -> None:

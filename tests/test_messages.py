@@ -181,6 +181,24 @@ def test_without_a_switch_thinking_off_changes_nothing_and_an_effort_is_refused(
         assert "output_config" in raised.value.body["error"]["message"]
 
 
+def test_a_reasoning_models_thinking_is_a_thinking_block_and_its_budget_holds(served: Served) -> None:
+    """deepseek_r1 over the random model reads its answer as thinking never closed: a thinking
+    block alone, whole and streamed; with thinking enabled and a budget, the end is forced and
+    text follows."""
+    with LiveServer(build_app(served.engine, MODEL, reasoning_parser="deepseek_r1")) as server:
+        reasoner = client_of(server.url)
+        free = reasoner.messages.create(**greedy(max_tokens=12))
+        assert [block.type for block in free.content] == ["thinking"] and free.stop_reason == "max_tokens"
+        with reasoner.messages.stream(**greedy(max_tokens=12)) as stream:
+            streamed = stream.get_final_message()
+        assert streamed.content[0].thinking == free.content[0].thinking
+        capped = reasoner.messages.create(
+            **greedy(max_tokens=12, thinking={"type": "enabled", "budget_tokens": 3})
+        )
+        assert [block.type for block in capped.content] == ["thinking", "text"]
+        assert capped.usage.output_tokens == 12
+
+
 def test_an_output_format_constrains_the_answer_to_its_schema(client: anthropic.Anthropic) -> None:
     schema = {
         "type": "object",
@@ -374,15 +392,15 @@ def test_a_client_leaving_a_stream_frees_its_kv(served: Served) -> None:
     assert served.wait_idle() == served.llm.info.capacity_tokens  # the engine request was aborted
 
 
-def test_a_drain_refuses_new_messages_in_anthropics_shape(served: Served) -> None:
+def test_a_drain_refuses_new_messages_in_anthropics_shape_and_lets_those_running_end(served: Served) -> None:
     drain = Drain(build_app(served.engine, MODEL))
     with LiveServer(drain) as server:
-        with httpx.stream(
-            "POST", f"{server.url}/v1/messages", json=body(max_tokens=100, stream=True)
-        ) as running:
-            next(running.iter_lines())
-            assert drain.in_flight == 1  # a message in flight holds the drain
-        drain.draining = True
-        refused = httpx.post(f"{server.url}/v1/messages", json=body())
+        streamed = body(max_tokens=150, stream=True)
+        with httpx.stream("POST", f"{server.url}/v1/messages", json=streamed) as running:
+            lines = running.iter_lines()
+            assert next(lines) == "event: message_start"
+            drain.draining = True
+            refused = httpx.post(f"{server.url}/v1/messages", json=body())
+            assert [line for line in lines if line][-2] == "event: message_stop"
         assert refused.status_code == 503 and refused.headers["retry-after"]
         assert refused.json()["error"]["type"] == "api_error"

@@ -56,14 +56,12 @@ def test_a_completed_grammar_stops_the_sample_even_with_ignore_eos(llm: LLM) -> 
     assert len(sample.token_ids) < 50
 
 
-def test_structured_after_leaves_the_output_free_until_its_tokens_then_constrains_it(llm: LLM) -> None:
+def test_end_of_thinking_leaves_the_output_free_until_its_tokens_then_constrains_it(llm: LLM) -> None:
     """A reasoning model thinks freely, then answers to the constraint: the marker here is the
     free answer's own third token, so the first three tokens are the free ones and the rest
     (by then in the middle of arbitrary text) is a choice, with n = 2 samples alike."""
     free = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0].token_ids
-    params = SamplingParams(
-        temperature=0.0, n=2, max_tokens=40, structured=CHOICE, structured_after=free[2:3]
-    )
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=40, structured=CHOICE, end_of_thinking=free[2:3])
     for sample in llm.generate(PROMPT, params)[0].outputs:
         assert sample.token_ids[:3] == free[:3]
         answer = llm.tokenizer.decode(sample.token_ids[3:], skip_special_tokens=True)
@@ -72,8 +70,25 @@ def test_structured_after_leaves_the_output_free_until_its_tokens_then_constrain
         0
     ].outputs[0]
     assert whole.text in CHOICE.choices  # without it, constrained from the first token
-    with pytest.raises(ValueError, match="structured_after"):
-        SamplingParams(structured_after=[5])  # nothing to start
+    with pytest.raises(ValueError, match="end_of_thinking"):
+        SamplingParams(end_of_thinking=[5])  # nothing to end
+
+
+def test_a_spent_thinking_budget_forces_the_end_of_thinking_then_frees_the_answer(llm: LLM) -> None:
+    """Two tokens the free answer never writes stand for the end of thinking: after the budget
+    they are forced, one a step, for each of n samples; an end the model writes itself before
+    the budget forces nothing; a budget of 0 starts the output with the end."""
+    free = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].token_ids
+    end = [t for t in range(3, 400) if t not in free][:2]
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=12, end_of_thinking=end, thinking_budget=4)
+    for sample in llm.generate(PROMPT, params)[0].outputs:
+        assert sample.token_ids[:4] == free[:4] and sample.token_ids[4:6] == end
+    unspent = SamplingParams(temperature=0.0, max_tokens=12, end_of_thinking=free[1:2], thinking_budget=6)
+    assert llm.generate(PROMPT, unspent)[0].outputs[0].token_ids == free
+    at_once = SamplingParams(temperature=0.0, max_tokens=4, end_of_thinking=end, thinking_budget=0)
+    assert llm.generate(PROMPT, at_once)[0].outputs[0].token_ids[:2] == end
+    with pytest.raises(ValueError, match="thinking_budget needs end_of_thinking"):
+        SamplingParams(thinking_budget=4)
 
 
 def test_a_row_left_with_no_allowed_token_ends_instead_of_failing_the_step(llm: LLM) -> None:

@@ -284,7 +284,14 @@ class LLMEngine:
             rest = [i for i, g in enumerate(groups) if g.beam is None]
             logits, row_seqs, groups = logits[rest], [row_seqs[i] for i in rest], [groups[i] for i in rest]
         rows = [
-            SampleRow(g.params, s.generator, s.token_ids, s.prompt_len, s.grammar if s.constrained else None)
+            SampleRow(
+                g.params,
+                s.generator,
+                s.token_ids,
+                s.prompt_len,
+                None if s.thinking else s.grammar,
+                s.thinking,
+            )
             for s, g in zip(row_seqs, groups, strict=True)
         ]
         token_ids, logprobs_rows, failed = self._sample(logits, rows, groups) if rows else ([], [], {})
@@ -446,7 +453,7 @@ class LLMEngine:
             if seed is None
             else torch.Generator(device=self.runner.device).manual_seed(sample_seed(seed, index)),
             logprobs=None if group.params.logprobs is None else [],
-            constrained=group.params.structured_after is None,
+            thinking=group.params.end_of_thinking is not None,
             prompt_embeds=group.prompt_embeds,
         )
         self._next_seq_id += 1
@@ -468,7 +475,7 @@ class LLMEngine:
                     child.num_computed = seq.num_computed
                     child.fork_parent = seq
                     child.grammar = None if seq.grammar is None else seq.grammar.fork()
-                    child.constrained = seq.constrained
+                    child.thinking = seq.thinking
                     row_seqs.append(child)
                     row_index.append(i)
         return row_seqs, row_index
@@ -574,9 +581,9 @@ class LLMEngine:
     ) -> None:
         params = group.params
         seq.token_ids.append(token)
-        after = params.structured_after
-        if not seq.constrained and seq.num_output >= len(after) and seq.token_ids[-len(after) :] == after:
-            seq.constrained = True  # the thinking is over: the constraint holds from the next token
+        end = params.end_of_thinking
+        if seq.thinking and seq.num_output >= len(end) and seq.token_ids[-len(end) :] == end:
+            seq.thinking = False  # a constraint holds from the next token
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
@@ -584,7 +591,7 @@ class LLMEngine:
             seq.finish_reason = FinishReason.STOP
         elif token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
-        elif seq.grammar is not None and seq.constrained and seq.grammar.terminated:
+        elif seq.grammar is not None and not seq.thinking and seq.grammar.terminated:
             seq.finish_reason = FinishReason.STOP
         elif seq.num_output >= params.max_tokens:
             seq.finish_reason = FinishReason.LENGTH

@@ -41,6 +41,7 @@ class SampleRow:
     token_ids: Sequence[int] = ()  # prompt + output so far: penalties and min_tokens read them
     prompt_len: int = 0
     grammar: GrammarState | None = None  # its structured-output matcher, advanced by the sampler
+    thinking: bool = False  # not yet past params.end_of_thinking
 
     @property
     def num_output(self) -> int:
@@ -154,6 +155,11 @@ class Sampler:
             )
         if penalized:
             _apply_penalties(logits, rows, penalized)
+        for i in processed:  # last: a spent thinking budget overrides every other processor
+            forced = _thinking_end_token(rows[i])
+            if forced is not None:
+                logits[i].fill_(float("-inf"))
+                logits[i, forced] = 0.0
 
     # ------------------------------------------------------------------------- sampling
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -239,6 +245,17 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         torch.searchsorted(inner, inner[:, -1:].contiguous()),
     )
     return (block * CDF_BLOCK + token).squeeze(1)
+
+
+def _thinking_end_token(row: SampleRow) -> int | None:
+    """The end-of-thinking token a row whose thinking budget is spent must take next: the one
+    after the longest start of the end sequence its output already ends with."""
+    params = row.params
+    if params.thinking_budget is None or not row.thinking or row.num_output < params.thinking_budget:
+        return None
+    end, output = params.end_of_thinking, row.token_ids[row.prompt_len :]
+    done = next(k for k in range(len(end) - 1, -1, -1) if k == 0 or list(output[-k:]) == end[:k])
+    return end[done]
 
 
 def _banned_next_tokens(words: list[list[int]], output: Sequence[int]) -> list[int]:

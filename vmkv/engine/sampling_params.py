@@ -59,9 +59,10 @@ class SamplingParams:
     token of each listed sequence wherever the output ends with the rest of it (the API
     tokenizes bad_words into these, as vLLM does); allowed_token_ids masks every token not
     listed; `structured` masks every token the constraint does not allow and ends the sample
-    when the constraint is complete. With structured_after (a reasoning model's end-of-thinking
-    token ids) the constraint holds only from the token after the output first ends with them:
-    the thinking before is free.
+    when the constraint is complete. end_of_thinking is a reasoning model's end-of-thinking
+    token ids: with `structured`, the constraint holds only from the token after the output
+    first ends with them (the thinking before is free); with thinking_budget, once that many
+    tokens have been output before them, they are forced, one token a step.
 
     use_beam_search makes the n samples beams (vmkv.engine.beam_search): the n most likely
     continuations by the model's log-probabilities, ranked at the end by cumulative
@@ -93,7 +94,8 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     allowed_token_ids: list[int] | None = None
     structured: StructuredOutput | None = None
-    structured_after: list[int] | None = None
+    end_of_thinking: list[int] | None = None
+    thinking_budget: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
 
@@ -149,9 +151,13 @@ class SamplingParams:
         self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
-        self.structured_after = _token_ids("structured_after", self.structured_after)
-        if self.structured_after is not None and self.structured is None:
-            raise ValueError("structured_after needs structured set (the constraint it starts)")
+        self.end_of_thinking = _token_ids("end_of_thinking", self.end_of_thinking)
+        if self.thinking_budget is not None:
+            _check_int("thinking_budget", self.thinking_budget, 0)
+            if self.end_of_thinking is None:
+                raise ValueError("thinking_budget needs end_of_thinking (the tokens it forces)")
+        elif self.end_of_thinking is not None and self.structured is None:
+            raise ValueError("end_of_thinking needs structured or thinking_budget set (what it ends)")
         if not isinstance(self.use_beam_search, bool):
             raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
         if not _finite(self.length_penalty):
@@ -194,6 +200,7 @@ class SamplingParams:
             or bool(self.bad_words_token_ids)
             or self.allowed_token_ids is not None
             or self.structured is not None
+            or self.thinking_budget is not None
         )
 
 
@@ -211,6 +218,7 @@ BEAM_SEARCH_IGNORES = frozenset(
         "bad_words_token_ids",
         "allowed_token_ids",
         "structured",
+        "thinking_budget",
         "stop",
         "logprob_token_ids",
     }

@@ -61,8 +61,8 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     grammar: GrammarState | None = None  # its structured-output matcher (the sampler advances it)
-    # False while the output is still free before params.structured_after (a model's thinking)
-    constrained: bool = True
+    # True until the output ends with params.end_of_thinking: no constraint holds before it
+    thinking: bool = False
     prompt_embeds: torch.Tensor | None = None  # its request's, fed for the prompt's positions
 
     @property

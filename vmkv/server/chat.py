@@ -233,6 +233,11 @@ class ChatServing(OpenAIServing):
         """Check, render and tokenize a chat request into its engine request, or raise the 4xx."""
         self.check_model(body.model)
         check_supported(chat_refusals(body, self.tool_call_parser is not None) + sampling_refusals(body))
+        if body.thinking_token_budget is not None and self.reasoning_parser is None:
+            raise bad_request(
+                "a thinking budget needs the server's --reasoning-parser, which knows where thinking ends",
+                "thinking_token_budget",
+            )
         self.check_alive()
         self.check_limits(1, body)
         structured = await self.structured_output(body, [("tool_choice", forced_tool(body))])
@@ -251,9 +256,19 @@ class ChatServing(OpenAIServing):
         # A reasoning model thinks first (unless the prompt closed its thinking block): the answer
         # is split, and an output constraint holds from the end of the thinking.
         reasoning = self.reasoning_parser if thinks_first(text) else None
-        end_of_thinking = self.end_of_thinking if reasoning is not None and structured is not None else None
+        budget = body.thinking_token_budget if reasoning is not None else None
+        ends_thinking = reasoning is not None and (structured is not None or budget is not None)
         submission = self.submission(
-            request_id, prompt_ids, body, max_tokens, logprobs, 0, structured, "messages", end_of_thinking
+            request_id,
+            prompt_ids,
+            body,
+            max_tokens,
+            logprobs,
+            0,
+            structured,
+            "messages",
+            self.end_of_thinking if ends_thinking else None,
+            thinking_budget=budget,
         )
         last = body.messages[-1]
         if body.echo and last.role == "assistant":  # vLLM's chat echo: the message being continued

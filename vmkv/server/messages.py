@@ -45,6 +45,7 @@ CHAT_FIELDS = {
     "max_completion_tokens": "max_tokens",
     "stop": "stop_sequences",
     "response_format": "output_config",
+    "thinking_token_budget": "thinking",
     "parallel_tool_calls": "tool_choice",
     "continue_final_message": "messages",
 }
@@ -67,7 +68,10 @@ class MessagesServing:
     async def create(self, body: MessagesRequest, request: Request) -> Response:
         check_supported(messages_refusals(body))
         with anthropic_names():
-            chat_body = body.as_chat(self.reasoning_effort(body))
+            budget = (
+                body.thinking.budget_tokens if body.thinking and body.thinking.type == "enabled" else None
+            )
+            chat_body = body.as_chat(self.reasoning_effort(body), budget)
             run = await self.chat.prepare(chat_body, id_prefix="msg")
         timer = self.chat.metrics.timer()
         if body.stream:
@@ -90,8 +94,8 @@ class MessagesServing:
         """`thinking` and `output_config.effort` as the chat request's reasoning_effort: both
         work through the template's reasoning switch. "disabled" turns thinking off where the
         template has one, and changes nothing for a model that does not think (no reasoning
-        parser); "adaptive" leaves it to the model; "enabled" asks for a thinking budget, which
-        nothing enforces here."""
+        parser); "adaptive" leaves it to the model, as does "enabled", whose budget the chat
+        request's thinking_token_budget enforces."""
         thinking, effort = body.thinking, body.output_config and body.output_config.effort
         switch = bool(self.chat.template_variables & THINKING_SWITCHES)
         if effort is not None and not switch:
@@ -100,15 +104,8 @@ class MessagesServing:
                 "enable_thinking), so an effort would change nothing",
                 "output_config",
             )
-        if thinking is None or thinking.type == "adaptive":
+        if thinking is None or thinking.type != "disabled":
             return effort
-        if thinking.type == "enabled":
-            raise bad_request(
-                "a thinking budget is not enforced here; leave thinking unset or adaptive (a reasoning "
-                "model served with --reasoning-parser thinks, and its thinking comes back as a thinking "
-                "block)",
-                "thinking",
-            )
         if effort is not None:
             raise bad_request("an effort sets the thinking that thinking disabled turns off", "output_config")
         if switch:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, Tag
+from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, Tag, model_validator
 
 from vmkv.server.errors import APIError, bad_request
 from vmkv.server.protocol import (
@@ -142,6 +142,12 @@ class ThinkingConfig(OpenAIModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 
+    @model_validator(mode="after")
+    def _enabled_has_a_budget(self) -> ThinkingConfig:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError('thinking of type "enabled" needs budget_tokens')
+        return self
+
 
 class OutputFormat(OpenAIModel):
     type: Literal["json_schema"]
@@ -168,7 +174,7 @@ class MessagesInput(OpenAIModel):
     thinking: ThinkingConfig | None = Field(
         default=None,
         description='"disabled" turns a reasoning template\'s thinking off, "adaptive" leaves it to the '
-        'model; "enabled" (a thinking budget) is refused.',
+        'model, "enabled" caps it at budget_tokens (needs the server\'s --reasoning-parser).',
     )
     output_config: OutputConfig | None = Field(
         default=None,
@@ -286,9 +292,10 @@ class MessagesRequest(MessagesInput):
     mcp_servers: list[Any] | None = None
     container: Any = None
 
-    def as_chat(self, reasoning_effort: str | None) -> ChatCompletionRequest:
+    def as_chat(self, reasoning_effort: str | None, thinking_budget: int | None) -> ChatCompletionRequest:
         """The same request as a chat completion."""
         return ChatCompletionRequest(
+            thinking_token_budget=thinking_budget,
             **self.prompt_fields(reasoning_effort),
             max_tokens=self.max_tokens,
             stop=self.stop_sequences,

@@ -307,6 +307,11 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: StrictBool = Field(
         default=True, description="false: the reasoning a reasoning parser splits off is left out."
     )
+    thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = Field(
+        default=None,
+        description="With the server's --reasoning-parser: after this many tokens of thinking, its end "
+        "is forced and the answer follows.",
+    )
     add_special_tokens: StrictBool = Field(
         default=False,
         description="Tokenize the rendered chat with the tokenizer's special tokens (BOS) on top of the "

@@ -261,12 +261,14 @@ class OpenAIServing:
         choice_offset: int,
         structured: StructuredOutput | None,
         prompt_param: str,
-        structured_after: list[int] | None = None,
+        end_of_thinking: list[int] | None = None,
         prompt_embeds: torch.Tensor | None = None,
+        thinking_budget: int | None = None,
     ) -> Submission:
         """An engine request the engine is known to accept (anything else is a 400 naming the
-        field to change: the engine's "prompt" is this route's `prompt_param`). structured_after:
-        the tokens after which `structured` holds (a reasoning model's end of thinking)."""
+        field to change: the engine's "prompt" is this route's `prompt_param`). end_of_thinking:
+        a reasoning model's, after which `structured` holds, and which a spent thinking_budget
+        forces."""
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(body.logit_bias or {}, "logit_bias")
         self.check_token_ids(body.allowed_token_ids or [], "allowed_token_ids")
@@ -281,7 +283,9 @@ class OpenAIServing:
             )
         top_k = min(body.top_k, self.engine.vocab_size) if body.top_k is not None and body.top_k > 0 else 0
         try:
-            params = self._params(body, max_tokens, logprobs, top_k, structured, structured_after)
+            params = self._params(
+                body, max_tokens, logprobs, top_k, structured, end_of_thinking, thinking_budget
+            )
             self.engine.check_priority(body.priority)
             self.engine.validate(prompt_ids if prompt_embeds is None else prompt_embeds, params)
         except RequestRejected as error:
@@ -308,7 +312,8 @@ class OpenAIServing:
         logprobs: int | None,
         top_k: int,
         structured: StructuredOutput | None,
-        structured_after: list[int] | None,
+        end_of_thinking: list[int] | None,
+        thinking_budget: int | None,
     ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -334,9 +339,10 @@ class OpenAIServing:
             bad_words_token_ids=self.bad_words_token_ids(body.bad_words or []),
             allowed_token_ids=body.allowed_token_ids,
             structured=structured,
-            structured_after=structured_after,
             use_beam_search=body.use_beam_search,
             length_penalty=body.length_penalty,
+            end_of_thinking=end_of_thinking,
+            thinking_budget=thinking_budget,
         )
 
     # ------------------------------------------------------------------------ running requests
