@@ -1361,6 +1361,26 @@ def test_include_reasoning_false_leaves_the_thinking_out(served: Served) -> None
         assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 8  # still counted
 
 
+def test_repetition_detection_ends_a_loop_with_vllms_reason(client: openai.OpenAI, served: Served) -> None:
+    """One allowed token loops at once; the loop ends after min_count repeats, counted in the
+    metrics under its own finish reason, and a detection that cannot work is a 400."""
+    detection = {"max_pattern_size": 3, "min_count": 4}
+    looped = complete(client, max_tokens=12, allowed_token_ids=[7], repetition_detection=detection)
+    (choice,) = looped.choices
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("repetition", "repetition_detected")
+    assert looped.usage.completion_tokens == 4
+    off = complete(client, max_tokens=12, allowed_token_ids=[7], repetition_detection={"max_pattern_size": 0})
+    assert off.choices[0].finish_reason == "length"
+    metrics = httpx.get(f"{served.url}/metrics").text
+    assert re.search(r'vllm:request_success_total\{[^}]*finished_reason="repetition"\} [1-9]', metrics)
+    assert_refused(
+        client,
+        served,
+        {"repetition_detection": {"max_pattern_size": 2, "min_count": 1}},
+        "repetition_detection",
+    )
+
+
 def test_a_thinking_token_budget_ends_the_thinking_and_the_answer_follows(
     client: openai.OpenAI, served: Served
 ) -> None:

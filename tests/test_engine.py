@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vmkv.engine import LLM, AsyncLLM, EngineDead, RequestRejected, SamplingParams
 from vmkv.engine.config import KV_MODES
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.oracle import CHAT_PROMPTS, ReferenceRun, chat_prompt_ids, compare, reference_greedy
+from vmkv.engine.repetition import RepetitionDetection
 from vmkv.model.store import load_tokenizer
 from vmkv.model.tiny import build_tiny_model
 
@@ -142,6 +145,47 @@ def test_stop_strings_are_trimmed_and_stop_tokens_kept(
     )[0].outputs[0]
     assert stopped.token_ids == base.token_ids[: first + 1]
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", token)
+
+
+@given(
+    pattern=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    prefix=st.lists(st.integers(0, 9), max_size=6),
+    count=st.integers(2, 4),
+)
+def test_repetition_is_a_pattern_repeated_at_the_tail(
+    pattern: list[int], prefix: list[int], count: int
+) -> None:
+    """A pattern of a size in range, repeated min_count times at the end, is found; any output
+    is judged as slicing it says (the last s tokens, count times over, for some s in range)."""
+    detection = RepetitionDetection(max_pattern_size=4, min_count=count)
+    assert detection.repeats(prefix + pattern * count)
+
+    def sliced(output: list[int]) -> bool:
+        return any(
+            size * count <= len(output) and output[-size * count :] == output[-size:] * count
+            for size in range(1, 5)
+        )
+
+    for output in (prefix + [10] + pattern * (count - 1), pattern + prefix, prefix * count):
+        assert detection.repeats(output) == sliced(output), output
+    assert not detection.repeats(list(range(20)))
+    with pytest.raises(ValueError, match="min_count"):
+        RepetitionDetection(max_pattern_size=2, min_count=1)
+
+
+def test_a_loop_ends_the_sample_with_reason_repetition(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    """One allowed token makes the output a loop of size 1: it ends after min_count of them, but
+    not before min_tokens."""
+    llm = make_llm(tiny_model_dir)
+    looping = dict(temperature=0.0, max_tokens=MAX_TOKENS, allowed_token_ids=[7])
+    detection = RepetitionDetection(max_pattern_size=3, min_count=4)
+    sample = llm.generate(prompts[0], SamplingParams(**looping, repetition_detection=detection))[0].outputs[0]
+    assert sample.token_ids == [7] * 4
+    assert (sample.finish_reason, sample.stop_reason) == ("repetition", "repetition_detected")
+    later = SamplingParams(**looping, repetition_detection=detection, min_tokens=6)
+    assert len(llm.generate(prompts[0], later)[0].outputs[0].token_ids) == 6
 
 
 def test_eos_stops_unless_ignored(tiny_model_dir: Path, prompts: list[list[int]]) -> None:

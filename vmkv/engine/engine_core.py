@@ -177,7 +177,7 @@ class EngineCore:
                     sample.token_ids[start:],
                     None if sample.logprobs is None else sample.logprobs[start:],
                     sample.finish_reason,
-                    sample.stop_reason if isinstance(sample.stop_reason, int) else None,
+                    sample.stop_reason,
                     sample.cumulative_logprob,
                 )
             )

@@ -63,7 +63,8 @@ class SampleUpdate(msgspec.Struct, array_like=True):
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
-    stop_reason: int | None  # a stop token id; stop strings are found by the API process
+    # a stop token id, or "repetition_detected"; stop strings are found by the API process
+    stop_reason: int | str | None
     cumulative_logprob: float | None  # with logprobs, or a beam search's answer
 
 

@@ -595,6 +595,12 @@ class LLMEngine:
             seq.finish_reason = FinishReason.STOP
         elif seq.num_output >= params.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
+        elif (
+            (detection := params.repetition_detection) is not None
+            and seq.num_output >= params.min_tokens
+            and detection.repeats(seq.token_ids[max(seq.prompt_len, len(seq.token_ids) - detection.span) :])
+        ):
+            seq.finish_reason, seq.stop_reason = FinishReason.REPETITION, "repetition_detected"
         if seq.detokenizer is None:
             return
         delta = seq.detokenizer.step(seq.token_ids, final=seq.finished)

@@ -7,6 +7,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal
 
 from vmkv.engine.errors import RequestRejected
+from vmkv.engine.repetition import RepetitionDetection
 
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
@@ -62,7 +63,8 @@ class SamplingParams:
     when the constraint is complete. end_of_thinking is a reasoning model's end-of-thinking
     token ids: with `structured`, the constraint holds only from the token after the output
     first ends with them (the thinking before is free); with thinking_budget, once that many
-    tokens have been output before them, they are forced, one token a step.
+    tokens have been output before them, they are forced, one token a step. repetition_detection
+    ends a sample whose output has fallen into a loop (finish reason "repetition").
 
     use_beam_search makes the n samples beams (vmkv.engine.beam_search): the n most likely
     continuations by the model's log-probabilities, ranked at the end by cumulative
@@ -96,6 +98,7 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     end_of_thinking: list[int] | None = None
     thinking_budget: int | None = None
+    repetition_detection: RepetitionDetection | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
 
@@ -158,6 +161,13 @@ class SamplingParams:
                 raise ValueError("thinking_budget needs end_of_thinking (the tokens it forces)")
         elif self.end_of_thinking is not None and self.structured is None:
             raise ValueError("end_of_thinking needs structured or thinking_budget set (what it ends)")
+        if self.repetition_detection is not None and not isinstance(
+            self.repetition_detection, RepetitionDetection
+        ):
+            raise ValueError(
+                "repetition_detection must be a RepetitionDetection, got "
+                f"{type(self.repetition_detection).__name__}"
+            )
         if not isinstance(self.use_beam_search, bool):
             raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
         if not _finite(self.length_penalty):
@@ -219,6 +229,7 @@ BEAM_SEARCH_IGNORES = frozenset(
         "allowed_token_ids",
         "structured",
         "thinking_budget",
+        "repetition_detection",
         "stop",
         "logprob_token_ids",
     }

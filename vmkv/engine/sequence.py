@@ -35,6 +35,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # the caller gave up on it
     ERROR = "error"  # the engine could not run it
+    REPETITION = "repetition"  # its output fell into a loop (SamplingParams.repetition_detection)
 
 
 @dataclass(eq=False)

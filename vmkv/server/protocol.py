@@ -108,6 +108,23 @@ class StructuredOutputsParams(OpenAIModel):
     json_object: StrictBool | None = None
 
 
+class RepetitionDetectionParams(OpenAIModel):
+    """vLLM's: end a choice whose output ends with a pattern of min_pattern_size (0: 1) to
+    max_pattern_size tokens repeated min_count times; max_pattern_size 0 turns it off."""
+
+    max_pattern_size: Annotated[StrictInt, Field(ge=0)] = 0
+    min_pattern_size: Annotated[StrictInt, Field(ge=0)] = 0
+    min_count: Annotated[StrictInt, Field(ge=0)] = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RepetitionDetectionParams:
+        if self.min_pattern_size > self.max_pattern_size:
+            raise ValueError("min_pattern_size must not exceed max_pattern_size")
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError("min_count must be at least 2 (a pattern seen once is no repetition)")
+        return self
+
+
 class SamplingExtensions(OpenAIModel):
     """vLLM's sampling fields beyond OpenAI's, which every generation endpoint takes (its
     Responses endpoint too, where OpenAI's API has none of them)."""
@@ -133,6 +150,7 @@ class SamplingExtensions(OpenAIModel):
     priority: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] = Field(
         default=0, description="Lower runs first; needs the server's --scheduling-policy priority."
     )
+    repetition_detection: RepetitionDetectionParams | None = None
 
     @property
     def stop_strings(self) -> list[str]:

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from vmkv.engine import RequestRejected, SamplingParams
 from vmkv.engine.outputs import PromptLogprob
+from vmkv.engine.repetition import RepetitionDetection
 from vmkv.engine.sampling_params import StructuredOutput
 from vmkv.engine.structured_output import check_structured
 from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed, SampleDelta, TokenLogprob
@@ -31,6 +32,7 @@ from vmkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     PromptTokensDetails,
+    RepetitionDetectionParams,
     SamplingFields,
     Usage,
 )
@@ -343,6 +345,7 @@ class OpenAIServing:
             length_penalty=body.length_penalty,
             end_of_thinking=end_of_thinking,
             thinking_budget=thinking_budget,
+            repetition_detection=repetition_detection(body.repetition_detection),
         )
 
     # ------------------------------------------------------------------------ running requests
@@ -401,6 +404,13 @@ class OpenAIServing:
             raise bad_request(str(error)) from error
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+def repetition_detection(params: RepetitionDetectionParams | None) -> RepetitionDetection | None:
+    """The engine's detection, or None where the request turns it off (max_pattern_size 0)."""
+    if params is None or params.max_pattern_size == 0:
+        return None
+    return RepetitionDetection(params.max_pattern_size, params.min_count, max(1, params.min_pattern_size))
 
 
 def prompt_logprobs_wanted(
