@@ -1038,6 +1038,7 @@ def test_completion_parameters_not_honoured_are_400s(
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"web_search_options": {}}, "web_search_options"),
+        ({"verbosity": "low"}, "verbosity"),
         ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is on
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
@@ -1068,6 +1069,9 @@ def test_accepted_no_op_fields_change_nothing(client: openai.OpenAI) -> None:
         metadata={"k": "v"},
         parallel_tool_calls=False,
         modalities=["text"],
+        verbosity="medium",
+        prompt_cache_key="k",
+        safety_identifier="someone",
     )
     assert tagged.choices[0].message.content == bare
     tools_off = client.chat.completions.create(
@@ -1275,6 +1279,10 @@ def test_a_response_takes_a_conversation_a_schema_and_returns_logprobs(client: o
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
         ({"reasoning": {"summary": "auto"}}, "reasoning"),
+        ({"text": {"verbosity": "high"}}, "text"),
+        ({"conversation": "conv_123"}, "conversation"),
+        ({"prompt": {"id": "pmpt_123"}}, "prompt"),
+        ({"context_management": [{"type": "compaction"}]}, "context_management"),
         ({"max_output_tokens": 10_000}, "max_output_tokens"),
         ({"input": "x" * 100_000}, "input"),
         ({"text": {"format": {"type": "json_schema", "name": "f", "schema": {"type": "nonsense"}}}}, "text"),

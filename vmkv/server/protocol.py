@@ -350,6 +350,7 @@ class ChatCompletionRequest(SamplingFields):
     # known and refused with a 400 when set (see docs/server.md)
     functions: list[Any] | None = None
     function_call: Any = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # "medium", the default, is accepted
     audio: Any = None
     prediction: Any = None
     modalities: list[Text] | None = None

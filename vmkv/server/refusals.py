@@ -8,6 +8,7 @@ from vmkv.server.protocol import ChatCompletionRequest, CompletionRequest, Sampl
 
 # (param, whether the request sets it, why it is refused): known fields not implemented here
 Refusal = tuple[str, bool, str]
+VERBOSITY = "the model's answers are as long as it makes them; only the default, medium, is accepted"
 
 
 def check_supported(refusals: list[Refusal]) -> None:
@@ -63,6 +64,7 @@ def chat_refusals(body: ChatCompletionRequest, parses_calls: bool) -> list[Refus
             "a chat stream has no place for them; ask without stream",
         ),
         ("audio", body.audio is not None, "this server generates text only"),
+        ("verbosity", body.verbosity not in (None, "medium"), VERBOSITY),
         ("modalities", body.modalities not in (None, ["text"]), "this server generates text only"),
         ("prediction", body.prediction is not None, "predicted outputs are not implemented"),
         ("web_search_options", body.web_search_options is not None, "this server has no web search"),

@@ -37,7 +37,7 @@ from vmkv.server.protocol import (
     now,
 )
 from vmkv.server.reasoning import ReasoningStream, split_reasoning
-from vmkv.server.refusals import Refusal, check_supported
+from vmkv.server.refusals import VERBOSITY, Refusal, check_supported
 from vmkv.server.response_store import ResponseStore, StoredResponse
 from vmkv.server.responses_protocol import (
     INCLUDE_LOGPROBS,
@@ -91,6 +91,14 @@ def response_refusals(body: ResponsesRequest, keeps: bool) -> list[Refusal]:
             "reasoning summaries are not written; the reasoning comes whole, in a reasoning item",
         ),
         ("truncation", body.truncation == "auto", "a prompt too long is refused, not cut"),
+        ("text", body.text.verbosity not in (None, "medium"), VERBOSITY),
+        (
+            "conversation",
+            body.conversation is not None,
+            "this server keeps no conversations; continue a kept response with previous_response_id",
+        ),
+        ("prompt", body.prompt is not None, "this server keeps no prompt templates; send the input"),
+        ("context_management", body.context_management is not None, "a conversation is never compacted here"),
         (
             "include",
             any(item != INCLUDE_LOGPROBS for item in body.include or []),
@@ -129,7 +137,7 @@ class ResponsesServing:
         if body.background and body.store is False:
             raise bad_request("a background response is kept to be fetched: store cannot be false", "store")
         previous = self.previous(body)
-        conversation = body.conversation(previous.conversation if previous else [])
+        conversation = body.chat_conversation(previous.conversation if previous else [])
         chat_body = body.as_chat(conversation)
         try:
             chat_run = await self.chat.prepare(chat_body, id_prefix="resp")

@@ -113,6 +113,7 @@ class ReasoningOptions(OpenAIModel):
 
 class TextOptions(OpenAIModel):
     format: TextFormat = Field(default_factory=TextFormat)
+    verbosity: Literal["low", "medium", "high"] | None = None  # "medium", the default, is accepted
 
 
 class ResponsesRequest(SamplingExtensions):
@@ -146,6 +147,10 @@ class ResponsesRequest(SamplingExtensions):
     include_reasoning: StrictBool = Field(
         default=True, description="vLLM's: false leaves the reasoning item out."
     )
+    # known and refused with a 400 when set (see docs/server.md)
+    conversation: Any = None
+    prompt: Any = None
+    context_management: Any = None
 
     @property
     def logprobs(self) -> bool:
@@ -165,7 +170,7 @@ class ResponsesRequest(SamplingExtensions):
             listed.append({"id": made_id, "status": "completed"} | fields)
         return listed
 
-    def conversation(self, previous: list[ChatMessage]) -> list[ChatMessage]:
+    def chat_conversation(self, previous: list[ChatMessage]) -> list[ChatMessage]:
         """The messages after the instructions: a stored response's conversation (`previous`),
         then this input. Instructions are not part of it: as OpenAI's, a continuation does not
         inherit them."""
