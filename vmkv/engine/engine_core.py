@@ -194,6 +194,7 @@ class EngineCore:
             error=out.error,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=out.num_cached_tokens,
+            embedding=out.embedding,
         )
 
     def close(self) -> None:

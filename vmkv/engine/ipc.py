@@ -76,6 +76,7 @@ class RequestUpdate(msgspec.Struct, array_like=True):
     rejected: str | None = None  # the engine refused it at admission: nothing ran
     prompt_logprobs: list[PromptLogprob | None] | None = None  # sent once, when complete
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # a pooling request's, when it finishes
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

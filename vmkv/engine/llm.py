@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -102,6 +103,15 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params)
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: Literal["last", "mean"] = "last"
+    ) -> list[list[float]]:
+        """Each prompt's embedding: the final hidden states of its last token (decoder models
+        trained for embeddings pool so) or the mean over its tokens, L2-normalized (vLLM's
+        LLM.embed). Nothing is generated; the prompt's KV is written and freed like any other."""
+        params = SamplingParams(pooling=pooling, max_tokens=1)
+        return [out.embedding for out in self.generate(prompts, params)]
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix, so the next prompts start cold; returns the entries

@@ -168,8 +168,9 @@ class LLMEngine:
         if isinstance(prompt, torch.Tensor):  # validated above
             embeds = prompt_rows(prompt)
             cache_salt = embeds_cache_salt(embeds, cache_salt)
-        if params.prompt_logprobs is not None:  # a cached token has no logits: share nothing
-            cache_salt = f"prompt-logprobs:{uuid.uuid4().hex}"
+        if params.prompt_logprobs is not None or params.pooling == "mean":
+            # a cached token has no logits or hidden states: share nothing
+            cache_salt = f"computed-whole:{uuid.uuid4().hex}"
         group = SequenceGroup(
             request_id=request_id,
             arrival=self._next_arrival,
@@ -261,17 +262,29 @@ class LLMEngine:
                 self.prompt_tokens += min(item.num_new, item.seq.prompt_len - item.seq.num_computed)
 
         try:
-            wanted = self._prompt_logprob_items(sched.scheduled)
+            logprob_items = self._prompt_logprob_items(sched.scheduled)
+            pooling_items = self._pooling_items(sched.scheduled)
+            wanted = sorted(set(logprob_items) | set(pooling_items))
             logits, hidden = self.runner.execute(self.cache, sched.scheduled, wanted)
             for i, rows in zip(wanted, hidden, strict=True):
-                self._record_prompt_logprobs(sched.scheduled[i], rows)
+                if i in logprob_items:
+                    self._record_prompt_logprobs(sched.scheduled[i], rows)
+                if i in pooling_items:
+                    self._pool(sched.scheduled[i], rows)
         except Exception as error:  # noqa: BLE001 - the step's requests are retried or fail; others carry on
             return self._checked(outputs + self._retry_or_fail(sched.scheduled, error))
         if self._forward_failures:  # a forward that went through: the count starts again
             for item in sched.scheduled:
                 self._forward_failures.pop(self._group_of[item.seq.seq_id].request_id, None)
+        # an embedding request whose prompt this step completes ends here, sampling nothing
+        embedded = [sched.scheduled[i].seq for i in pooling_items if sched.scheduled[i].samples]
         _advance(sched.scheduled)
         self.peak_running_seqs = max(self.peak_running_seqs, self.scheduler.num_running_seqs)
+        if embedded:  # their logits rows go too: each row is the sample at its index in `sampling`
+            kept = [i for i, seq in enumerate(sampling) if seq not in embedded]
+            logits = logits[torch.tensor(kept, dtype=torch.long, device=logits.device)]
+            sampling = [sampling[i] for i in kept]
+            outputs += self._finish_embedded(embedded)
 
         row_seqs, row_index = self._expand_forks(sampling)
         if row_index != list(range(len(sampling))):
@@ -628,6 +641,38 @@ class LLMEngine:
             if recorded is not None and len(recorded) - 1 < end:
                 wanted.append(i)
         return wanted
+
+    def _pooling_items(self, scheduled: list[ScheduledSeq]) -> list[int]:
+        """The scheduled items of embedding requests (all their steps are prompt chunks)."""
+        return [i for i, item in enumerate(scheduled) if self._group_of[item.seq.seq_id].params.pooling]
+
+    def _pool(self, item: ScheduledSeq, hidden: torch.Tensor) -> None:
+        """Fold a prompt chunk's final hidden states into its request's pooled state; rows a
+        recompute after preemption repeats are skipped."""
+        seq, group = item.seq, self._group_of[item.seq.seq_id]
+        rows = hidden[max(0, group.pooled_tokens - seq.num_computed) :].float()
+        if not len(rows):
+            return
+        if group.params.pooling == "last":
+            group.pooled = rows[-1]
+        else:
+            total = rows.sum(dim=0)
+            group.pooled = total if group.pooled is None else group.pooled + total
+        group.pooled_tokens = seq.num_computed + item.num_new
+
+    def _finish_embedded(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        outputs = []
+        for seq in seqs:
+            group = self._group_of[seq.seq_id]
+            pooled = group.pooled / (group.pooled_tokens if group.params.pooling == "mean" else 1)
+            group.embedding = torch.nn.functional.normalize(pooled, dim=0).tolist()
+            group.pooled = None
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = time.monotonic()
+            seq.finish_reason = FinishReason.STOP
+            self.scheduler.release_finished(group)
+            outputs.append(self._retire(group))
+        return outputs
 
     def _record_prompt_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor) -> None:
         seq, group = item.seq, self._group_of[item.seq.seq_id]

@@ -61,6 +61,7 @@ class RequestState:
     prompt_logprobs: list[PromptLogprob | None] | None = None
     num_cached_tokens: int = 0
     embedded: bool = False  # the prompt came as embeddings: its token ids are placeholders
+    embedding: list[float] | None = None  # a pooling request's answer
 
     def apply(self, update: RequestUpdate) -> list[int]:
         """Take in one engine update; returns the indices of samples that met a stop string now."""
@@ -74,6 +75,7 @@ class RequestState:
         if update.prompt_logprobs is not None:
             self.prompt_logprobs = update.prompt_logprobs
         self.num_cached_tokens = update.num_cached_tokens
+        self.embedding = update.embedding or self.embedding
         if self.metrics.first_token_time is None and any(u.new_token_ids for u in update.samples):
             self.metrics.first_token_time = time.monotonic()
         done = len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples.values())
@@ -94,6 +96,7 @@ class RequestState:
             error=self.error,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            embedding=self.embedding,
         )
 
     def _new_sample(self, index: int) -> SampleState:

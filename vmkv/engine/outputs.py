@@ -55,3 +55,4 @@ class RequestOutput:
     # token, None for the first (nothing predicts it)
     prompt_logprobs: list[PromptLogprob | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache already held (not computed)
+    embedding: list[float] | None = None  # with SamplingParams.pooling, once the prompt is computed

@@ -66,6 +66,11 @@ class SamplingParams:
     tokens have been output before them, they are forced, one token a step. repetition_detection
     ends a sample whose output has fallen into a loop (finish reason "repetition").
 
+    pooling makes the request an embedding of its prompt instead of a generation: the final
+    hidden states of its last token ("last") or the mean of all its tokens' ("mean"), L2
+    normalized, in RequestOutput.embedding; it finishes when its prompt is computed, sampling
+    nothing (n must be 1; controls of the output do not apply).
+
     use_beam_search makes the n samples beams (vmkv.engine.beam_search): the n most likely
     continuations by the model's log-probabilities, ranked at the end by cumulative
     log-probability / length ** length_penalty. Temperature and seed do not change it; the
@@ -99,6 +104,7 @@ class SamplingParams:
     end_of_thinking: list[int] | None = None
     thinking_budget: int | None = None
     repetition_detection: RepetitionDetection | None = None
+    pooling: Literal["last", "mean"] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
 
@@ -168,6 +174,8 @@ class SamplingParams:
                 "repetition_detection must be a RepetitionDetection, got "
                 f"{type(self.repetition_detection).__name__}"
             )
+        if self.pooling is not None:
+            self._check_pooling()
         if not isinstance(self.use_beam_search, bool):
             raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
         if not _finite(self.length_penalty):
@@ -176,6 +184,19 @@ class SamplingParams:
             self._check_beam_search()
         elif self.length_penalty != 1.0:
             raise ValueError("length_penalty applies to beam search only (set use_beam_search)")
+
+    def _check_pooling(self) -> None:
+        if self.pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean', got {self.pooling!r}")
+        generating = {
+            "n": self.n != 1,
+            "use_beam_search": self.use_beam_search,
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured": self.structured is not None,
+        }
+        if taken := [name for name, used in generating.items() if used]:
+            raise ValueError(f"pooling embeds the prompt and generates nothing: {taken[0]} does not apply")
 
     def _check_beam_search(self) -> None:
         """Refuse the controls beam search would ignore: it keeps the most likely continuations."""

@@ -110,6 +110,11 @@ class SequenceGroup:
     beam_results: list[CompletionOutput] | None = None
     # a prompt given as [prompt, hidden] embeddings; prompt_token_ids are then placeholders
     prompt_embeds: torch.Tensor | None = None
+    # with params.pooling: the final hidden states summed so far (mean) or the last row (last),
+    # over the first `pooled_tokens` prompt tokens; then the finished embedding
+    pooled: torch.Tensor | None = None
+    pooled_tokens: int = 0
+    embedding: list[float] | None = None
     stop_hold: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -161,4 +166,5 @@ class SequenceGroup:
             error=self.error,
             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs_done else None,
             num_cached_tokens=self.num_cached_tokens,
+            embedding=self.embedding,
         )

@@ -13,6 +13,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from vmkv.server.chat import ChatServing
 from vmkv.server.completions import CompletionServing
+from vmkv.server.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from vmkv.server.engine_client import EngineClient, EngineDeadError
 from vmkv.server.errors import APIError, error_response, install_error_handlers
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, APIKeyGuard, BodySizeLimit
@@ -77,6 +78,7 @@ def build_app(
     chat_template: str | None = None,
     trust_request_chat_template: bool = False,
     enable_prompt_embeds: bool = False,
+    embedding_pooling: str = "last",
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -89,6 +91,7 @@ def build_app(
     keeps /v1/responses answers (a store of DEFAULT_STORE_MIB without one). `chat_template`
     renders chats in place of the model's; with `trust_request_chat_template`, a request may
     bring its own. `enable_prompt_embeds` lets completions give prompts as embeddings.
+    `embedding_pooling` ("last" or "mean") is how /v1/embeddings pools a prompt's hidden states.
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
@@ -111,6 +114,7 @@ def build_app(
     store = response_store or ResponseStore(int(DEFAULT_STORE_MIB * 2**20))
     responses = ResponsesServing(chat, store)
     messages = MessagesServing(chat)
+    embeddings = EmbeddingServing(engine, served_model_name, serving_metrics, limits, embedding_pooling)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -167,6 +171,10 @@ def build_app(
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> ResponseDeleted:
         return await responses.delete(response_id)
+
+    @api.post("/v1/embeddings", response_model=None, responses={200: {"model": EmbeddingResponse}})
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        return await embeddings.create(body, request)
 
     anthropic_errors = {status: {"model": AnthropicErrorResponse} for status in ERROR_RESPONSES}
 

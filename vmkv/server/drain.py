@@ -25,7 +25,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_GRACE_SECONDS = 30.0
 RETRY_AFTER_SECONDS = 5
 FLUSH_SECONDS = 2.0  # for the streams the engine's stop just ended to send their last events
-DRAINED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/health")
+DRAINED_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/embeddings",
+    "/health",
+)
 
 
 class Drain:

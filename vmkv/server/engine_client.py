@@ -72,6 +72,7 @@ class EngineClient:
         self.max_model_len: int = llm.info.max_model_len
         self.vocab_size: int = min(len(self.tokenizer), llm.info.vocab_size)
         self.model_path = llm.info.model_path
+        self.hidden_size: int = llm.info.hidden_size  # an embedding's dimensions
 
     def check_alive(self) -> None:
         """Raises EngineDeadError, saying why, once the engine has stopped (shut down, or its thread died)."""
@@ -121,6 +122,23 @@ class EngineClient:
             raise _engine_dead(str(error)) from error
         finally:
             await stream.aclose()
+
+    async def embed(
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> tuple[list[float], int]:
+        """A pooling request's (embedding, prompt tokens the prefix cache held)."""
+        stream = self.llm.generate(prompt, params, request_id=request_id, cache_salt=cache_salt)
+        try:
+            async for output in stream:
+                if output.error is not None:
+                    raise RequestFailed(output.error)
+                if output.finished:
+                    return output.embedding, output.num_cached_tokens
+        except EngineDead as error:
+            raise _engine_dead(str(error)) from error
+        finally:
+            await stream.aclose()
+        raise RequestFailed(f"request {request_id} ended without its embedding")
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the entries (blocks, chunks) forgotten."""

@@ -24,6 +24,7 @@ from vmkv.engine.gc_heap import freeze_start_up_heap
 from vmkv.server.app import build_app
 from vmkv.server.chat_template import load_chat_template
 from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
+from vmkv.server.embeddings import POOLING, checkpoint_pooling
 from vmkv.server.engine_client import EngineClient
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES
 from vmkv.server.limits import RequestLimits
@@ -119,6 +120,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--trust-request-chat-template",
         action="store_true",
         help="let a request bring its own chat_template (Jinja code this server then runs)",
+    )
+    server.add_argument(
+        "--embedding-pooling",
+        choices=POOLING,
+        default=None,
+        help="how /v1/embeddings pools a prompt's final hidden states: the last token's or the mean "
+        "(default: what the checkpoint's sentence-transformers pooling config says, else last)",
     )
     server.add_argument(
         "--enable-prompt-embeds",
@@ -265,6 +273,7 @@ def serve_main(args: argparse.Namespace) -> None:
             chat_template=chat_template,
             trust_request_chat_template=args.trust_request_chat_template,
             enable_prompt_embeds=args.enable_prompt_embeds,
+            embedding_pooling=args.embedding_pooling or checkpoint_pooling(engine.model_path),
         )
     except ValueError as error:
         engine.shutdown()

@@ -1,0 +1,141 @@
+"""Embeddings: a pooling request computes its prompt and returns the final hidden states of its
+last token (or their mean), L2-normalized: the same vector, within float rounding, as a plain
+transformers forward of the unmodified model, in every KV layout, across prefill chunks, prefix
+cache hits and preemption, beside generation it leaves unchanged; /v1/embeddings serves it to
+the `openai` client over real HTTP."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+from test_engine import SMALL_BUDGET, make_llm
+from test_server import MODEL, Served, live_server
+
+from vmkv import SamplingParams
+from vmkv.engine.config import KV_MODES
+from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids
+from vmkv.model.store import load_tokenizer
+from vmkv.server.embeddings import checkpoint_pooling
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+TOLERANCE = 1e-5  # fp32: chunked attention sums in another order than one forward
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir: Path) -> list[list[int]]:
+    return chat_prompt_ids(load_tokenizer(tiny_model_dir), CHAT_PROMPTS[:6])
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def reference(model: transformers.PreTrainedModel, prompt: list[int], pooling: str) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = model(torch.tensor([prompt])).last_hidden_state[0]
+    return torch.nn.functional.normalize(hidden[-1] if pooling == "last" else hidden.mean(dim=0), dim=0)
+
+
+def assert_close(got: list[float], expected: torch.Tensor) -> None:
+    assert len(got) == expected.numel()
+    assert (torch.tensor(got) - expected).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("kv_mode", KV_MODES)
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embeddings_are_the_models_pooled_hidden_states_in_chunks(
+    tiny_model_dir: Path,
+    hf_model: transformers.PreTrainedModel,
+    prompts: list[list[int]],
+    kv_mode: str,
+    pooling: str,
+) -> None:
+    """16-token chunks split every prompt; the second run of the same prompts reads the prefix
+    cache where the pooling allows (the mean needs every row, so it computes them all again)."""
+    llm = make_llm(tiny_model_dir, kv_mode, max_num_batched_tokens=16, max_num_seqs=4)
+    for _ in range(2):
+        for prompt, vector in zip(prompts, llm.embed(prompts, pooling), strict=True):
+            assert_close(vector, reference(hf_model, prompt, pooling))
+    llm.close()
+
+
+def test_embeddings_survive_preemption_and_leave_generation_unchanged(
+    tiny_model_dir: Path, hf_model: transformers.PreTrainedModel, prompts: list[list[int]]
+) -> None:
+    """A budget too small for the batch preempts requests mid-prompt; the pooled rows a
+    recompute repeats count once, and the generations batched beside them are the ones made alone."""
+    llm = make_llm(tiny_model_dir, "paged", kv_budget_bytes=SMALL_BUDGET)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy)]
+    embed = SamplingParams(pooling="mean", max_tokens=1)
+    outputs = llm.generate(prompts + prompts, [embed] * len(prompts) + [greedy] * len(prompts))
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outputs[: len(prompts)], strict=True):
+        assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "stop"
+        assert_close(out.embedding, reference(hf_model, prompt, "mean"))
+    assert [out.outputs[0].token_ids for out in outputs[len(prompts) :]] == alone
+    with pytest.raises(ValueError, match="n does not apply"):
+        SamplingParams(pooling="last", n=2)
+    llm.close()
+
+
+def test_a_sentence_transformers_config_names_the_pooling(tmp_path: Path) -> None:
+    assert checkpoint_pooling(str(tmp_path)) == "last"
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    assert checkpoint_pooling(str(tmp_path)) == "mean"
+
+
+# ------------------------------------------------------------------------------------ served
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[Served]:
+    with live_server(tiny_model_dir, "vattention") as served:
+        yield served
+
+
+def test_the_openai_client_gets_each_inputs_embedding(
+    served: Served, hf_model: transformers.PreTrainedModel
+) -> None:
+    """The client asks for base64 by default and decodes it; floats come as asked; texts are
+    tokenized with the tokenizer's special tokens, as vLLM does; token ids go as they are."""
+    client = served.openai()
+    texts = ["The capital of France is", "Virtual memory maps pages."]
+    response = client.embeddings.create(model=MODEL, input=texts)
+    assert response.model == MODEL and [item.index for item in response.data] == [0, 1]
+    ids = [served.engine.tokenizer(text)["input_ids"] for text in texts]
+    for item, prompt in zip(response.data, ids, strict=True):
+        assert_close(item.embedding, reference(hf_model, prompt, "last"))
+    assert response.usage.prompt_tokens == response.usage.total_tokens == sum(map(len, ids))
+    floats = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
+    assert floats.data[0].embedding == pytest.approx(response.data[0].embedding, abs=1e-7)
+    same_width = client.embeddings.create(model=MODEL, input=texts[0], dimensions=served.engine.hidden_size)
+    assert len(same_width.data[0].embedding) == served.engine.hidden_size
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": []}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": [10**6]}, "input"),
+        ({"input": "word " * 400}, "input"),
+        ({"input": "x", "dimensions": 3}, "dimensions"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ],
+)
+def test_bad_embedding_requests_are_400s_naming_the_field(served: Served, body: dict, param: str) -> None:
+    response = httpx.post(f"{served.url}/v1/embeddings", json={"model": MODEL} | body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        served.openai().embeddings.create(model="another", input="x")
+    assert httpx.get(f"{served.url}/health").status_code == 200

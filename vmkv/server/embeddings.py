@@ -1,0 +1,177 @@
+"""/v1/embeddings: OpenAI's embeddings endpoint over the engine's pooling requests. Each input
+is one engine request that computes its prompt and returns the final hidden states pooled
+(the last token's, or the mean of all) and L2-normalized, sampling nothing; a list of inputs
+runs as concurrent requests, batched by the scheduler like any others."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, StrictBool, StrictInt
+
+from vmkv.engine import RequestRejected, SamplingParams
+from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed
+from vmkv.server.errors import APIError, bad_request
+from vmkv.server.limits import RequestLimits
+from vmkv.server.metrics import ServingMetrics
+from vmkv.server.protocol import NonEmptyText, OpenAIModel, Text, TokenId, now, random_id
+from vmkv.server.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
+from vmkv.server.streaming import ClientDisconnected, until_disconnected
+
+MAX_INPUTS = 2048  # OpenAI's cap on inputs in one request
+POOLING = ("last", "mean")
+
+
+class EmbeddingRequest(OpenAIModel):
+    model: Text | None = None
+    input: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_INPUTS)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_INPUTS)
+        ]
+    ) = Field(description="A text, a list of texts, a list of token ids, or a list of token-id lists.")
+    encoding_format: Literal["float", "base64"] = Field(
+        default="float", description="base64: each embedding's little-endian float32 bytes."
+    )
+    dimensions: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        default=None, description="Only the model's own width: its embeddings are not trained to be cut."
+    )
+    user: Text | None = None
+    add_special_tokens: StrictBool = Field(
+        default=True, description="vLLM's: text inputs are tokenized with the tokenizer's special tokens."
+    )
+    cache_salt: NonEmptyText | None = Field(
+        default=None, description="vLLM's: requests share cached prefixes only when their salts are equal."
+    )
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+
+
+class EmbeddingServing(OpenAIServing):
+    def __init__(
+        self,
+        engine: EngineClient,
+        model_name: str,
+        metrics: ServingMetrics,
+        limits: RequestLimits,
+        pooling: str = "last",
+    ) -> None:
+        super().__init__(engine, model_name, metrics, limits)
+        if pooling not in POOLING:
+            raise ValueError(f"pooling must be one of {POOLING}, got {pooling!r}")
+        self.pooling = pooling
+
+    async def create(self, body: EmbeddingRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        if body.dimensions not in (None, self.engine.hidden_size):
+            raise bad_request(
+                f"this model's embeddings have {self.engine.hidden_size} dimensions, and it is not trained "
+                "for them to be cut",
+                "dimensions",
+            )
+        self.check_alive()
+        self.limits.check_queue(self.engine.stats().num_waiting)
+        prompts = await self.prompts(body)
+        params = SamplingParams(pooling=self.pooling, max_tokens=1)
+        request_id = random_id("embd")
+        for prompt in prompts:
+            try:
+                self.engine.validate(prompt, params)
+            except RequestRejected as error:
+                raise bad_request(str(error), "input") from error
+        timer = self.metrics.timer()
+        runs = [
+            self.engine.embed(f"{request_id}-{i}", prompt, params, body.cache_salt)
+            for i, prompt in enumerate(prompts)
+        ]
+        try:
+            results = await until_disconnected(request, asyncio.gather(*runs))
+        except EngineDeadError as error:
+            raise APIError(503, str(error)) from error
+        except RequestFailed as error:
+            raise APIError(500, str(error)) from error
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        num_tokens = sum(len(prompt) for prompt in prompts)
+        timer.on_finish(num_tokens, 0, 0, ["stop"] * len(prompts))
+        data = [
+            Embedding(index=i, embedding=encoded(vector, body.encoding_format))
+            for i, (vector, _) in enumerate(results)
+        ]
+        response = EmbeddingResponse(
+            id=request_id,
+            created=now(),
+            model=self.model_name,
+            data=data,
+            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def prompts(self, body: EmbeddingRequest) -> list[list[int]]:
+        """Each input as token ids: texts tokenized (a text too long for the model is a 400),
+        token ids checked against the vocabulary."""
+        given = body.input
+        if isinstance(given, str):
+            given = [given]
+        if isinstance(given[0], int):
+            given = [given]
+        prompts = []
+        for item in given:
+            if isinstance(item, str):
+                item = await self.encode(item, add_special_tokens=body.add_special_tokens, param="input")
+            else:
+                self.check_token_ids(item, "input")
+            if not item:
+                raise bad_request("an input has no tokens", "input")
+            if len(item) >= self.engine.max_model_len:
+                raise bad_request(
+                    f"an input has {len(item)} tokens; this model's maximum context length is "
+                    f"{self.engine.max_model_len}",
+                    "input",
+                )
+            prompts.append(item)
+        return prompts
+
+
+def checkpoint_pooling(model_dir: str) -> str:
+    """The pooling a sentence-transformers checkpoint declares (its 1_Pooling/config.json):
+    mean or last token; "last" for any other checkpoint, as decoder models embed."""
+    config = Path(model_dir, "1_Pooling", "config.json")
+    try:
+        modes = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return "last"
+    return "mean" if modes.get("pooling_mode_mean_tokens") else "last"
+
+
+def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
