@@ -78,7 +78,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run one step; returns float32 logits [S, V] for the scheduled rows that sample, in
         order, and the final hidden states [num_new, H] of the scheduled items `keep_hidden`
-        names (for prompt logprobs)."""
+        names (for prompt logprobs and pooling)."""
         steps = [SeqStep(s.seq.seq_id, s.seq.num_computed, s.num_new) for s in scheduled]
         batch = StepBatch.build(steps, self.device)
         num_tokens = int(batch.query_start[-1])
