@@ -4,6 +4,7 @@ is a 400 naming the field. One engine process over the tiny fp32 model serves th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterator
@@ -1050,6 +1051,48 @@ def test_chat_parameters_not_honoured_are_400s(client: openai.OpenAI, extra: dic
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body=extra
         )
     assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_a_callers_request_id_names_the_response_even_when_reused(
+    client: openai.OpenAI, served: Served
+) -> None:
+    """vLLM's rule: the X-Request-Id header, else the body's request_id, after the endpoint's
+    prefix; two requests in flight under one id are both answered (the engine's ids differ)."""
+    chat = dict(
+        model=MODEL, messages=ASK, max_tokens=4, temperature=0.0, extra_body={"request_id": "trace-7"}
+    )
+    assert client.chat.completions.create(**chat).id == "chatcmpl-trace-7"
+    streamed = {chunk.id for chunk in client.chat.completions.create(**chat, stream=True)}
+    assert streamed == {"chatcmpl-trace-7"}
+    assert complete(client, request_id="trace-7").id == "cmpl-trace-7"
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "request_id": "same"}
+
+    async def twice() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as http:
+            return await asyncio.gather(*[http.post("/v1/completions", json=body) for _ in range(2)])
+
+    assert [r.json()["id"] for r in asyncio.run(twice())] == ["cmpl-same", "cmpl-same"]
+    headed = httpx.post(
+        f"{served.url}/v1/embeddings",
+        json={"model": MODEL, "input": "x", "request_id": "body"},
+        headers={"X-Request-Id": "header"},
+    )
+    assert headed.json()["id"] == "embd-header"
+    too_long = httpx.post(f"{served.url}/v1/completions", json=body, headers={"X-Request-Id": "x" * 300})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "X-Request-Id"
+
+
+def test_request_id_headers_answer_with_the_requests_id_or_a_new_one(served: Served) -> None:
+    with LiveServer(build_app(served.engine, MODEL, request_id_headers=True)) as server:
+        assert (
+            httpx.get(f"{server.url}/v1/models", headers={"X-Request-Id": "abc"}).headers["x-request-id"]
+            == "abc"
+        )
+        made = httpx.post(
+            f"{server.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+        )
+        assert len(made.headers["x-request-id"]) == 32
+    assert "x-request-id" not in httpx.get(f"{served.url}/v1/models").headers  # off by default
 
 
 def test_accepted_no_op_fields_change_nothing(client: openai.OpenAI) -> None:

@@ -16,7 +16,7 @@ from vmkv.server.completions import CompletionServing
 from vmkv.server.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from vmkv.server.engine_client import EngineClient, EngineDeadError
 from vmkv.server.errors import APIError, error_response, install_error_handlers
-from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, APIKeyGuard, BodySizeLimit
+from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, APIKeyGuard, BodySizeLimit, RequestIdHeaders
 from vmkv.server.limits import RequestLimits
 from vmkv.server.messages import MessagesServing
 from vmkv.server.messages_protocol import (
@@ -79,6 +79,7 @@ def build_app(
     trust_request_chat_template: bool = False,
     enable_prompt_embeds: bool = False,
     embedding_pooling: str = "last",
+    request_id_headers: bool = False,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -92,6 +93,7 @@ def build_app(
     renders chats in place of the model's; with `trust_request_chat_template`, a request may
     bring its own. `enable_prompt_embeds` lets completions give prompts as embeddings.
     `embedding_pooling` ("last" or "mean") is how /v1/embeddings pools a prompt's hidden states.
+    With `request_id_headers`, every answer carries an X-Request-Id header.
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
@@ -132,6 +134,8 @@ def build_app(
     )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if request_id_headers:
+        app.add_middleware(RequestIdHeaders)
     if api_keys:  # added last, so it runs first
         app.add_middleware(APIKeyGuard, keys=list(api_keys), open_metrics=open_metrics)
 

@@ -31,8 +31,8 @@ from vmkv.server.protocol import (
     ChatCompletionResponse,
     ChatMessage,
     DeltaMessage,
+    engine_request_id,
     now,
-    random_id,
 )
 from vmkv.server.reasoning import END, ReasoningStream, split_reasoning, thinks_first
 from vmkv.server.refusals import chat_refusals, check_supported, sampling_refusals
@@ -207,7 +207,7 @@ class ChatServing(OpenAIServing):
         )
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
-        run = await self.prepare(body)
+        run = await self.prepare(body, request=request)
         request_id, submissions, reasoning = run.request_id, run.submissions, run.reasoning
         prompt_ids = submissions[0].prompt_ids
         logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
@@ -229,8 +229,11 @@ class ChatServing(OpenAIServing):
         )
         return JSONResponse(response.model_dump())
 
-    async def prepare(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
-        """Check, render and tokenize a chat request into its engine request, or raise the 4xx."""
+    async def prepare(
+        self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl", request: Request | None = None
+    ) -> ChatRun:
+        """Check, render and tokenize a chat request into its engine request, or raise the 4xx.
+        With `request`, the response id follows its X-Request-Id or the body's request_id."""
         self.check_model(body.model)
         check_supported(chat_refusals(body, self.tool_call_parser is not None) + sampling_refusals(body))
         if body.thinking_token_budget is not None and self.reasoning_parser is None:
@@ -252,14 +255,14 @@ class ChatServing(OpenAIServing):
         )
         max_tokens = self.max_tokens_for(len(prompt_ids), body.max_new_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        request_id = random_id(id_prefix)
+        request_id = self.response_id(request, body.request_id, id_prefix)
         # A reasoning model thinks first (unless the prompt closed its thinking block): the answer
         # is split, and an output constraint holds from the end of the thinking.
         reasoning = self.reasoning_parser if thinks_first(text) else None
         budget = body.thinking_token_budget if reasoning is not None else None
         ends_thinking = reasoning is not None and (structured is not None or budget is not None)
         submission = self.submission(
-            request_id,
+            engine_request_id(request_id),
             prompt_ids,
             body,
             max_tokens,

@@ -24,8 +24,8 @@ from vmkv.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    engine_request_id,
     now,
-    random_id,
 )
 from vmkv.server.refusals import check_supported, completion_refusals, sampling_refusals
 from vmkv.server.serving import (
@@ -53,7 +53,8 @@ class CompletionServing(OpenAIServing):
         self.check_model(body.model)
         check_supported(completion_refusals(body) + sampling_refusals(body))
         self.check_alive()
-        request_id = random_id("cmpl")
+        request_id = self.response_id(request, body.request_id, "cmpl")
+        engine_id = engine_request_id(request_id)
         submissions = []
         embeds = await self.prompt_embeds(body)
         prompts = embeds or completion_prompts(body)
@@ -69,7 +70,7 @@ class CompletionServing(OpenAIServing):
             prompt_ids = whole[kept]
             max_tokens = self.max_tokens_for(len(prompt_ids), body.max_tokens, prompt_param)
             submission = self.submission(
-                f"{request_id}-{i}",
+                f"{engine_id}-{i}",
                 prompt_ids,
                 body,
                 max_tokens,

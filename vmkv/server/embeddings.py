@@ -21,7 +21,15 @@ from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFail
 from vmkv.server.errors import APIError, bad_request
 from vmkv.server.limits import RequestLimits
 from vmkv.server.metrics import ServingMetrics
-from vmkv.server.protocol import NonEmptyText, OpenAIModel, Text, TokenId, now, random_id
+from vmkv.server.protocol import (
+    MAX_REQUEST_ID_CHARS,
+    NonEmptyText,
+    OpenAIModel,
+    Text,
+    TokenId,
+    engine_request_id,
+    now,
+)
 from vmkv.server.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
 from vmkv.server.streaming import ClientDisconnected, until_disconnected
 
@@ -51,6 +59,10 @@ class EmbeddingRequest(OpenAIModel):
     )
     cache_salt: NonEmptyText | None = Field(
         default=None, description="vLLM's: requests share cached prefixes only when their salts are equal."
+    )
+    request_id: Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)] | None = Field(
+        default=None,
+        description="vLLM's: the id the response carries (after its prefix); the X-Request-Id header wins.",
     )
 
 
@@ -100,7 +112,7 @@ class EmbeddingServing(OpenAIServing):
         self.limits.check_queue(self.engine.stats().num_waiting)
         prompts = await self.prompts(body)
         params = SamplingParams(pooling=self.pooling, max_tokens=1)
-        request_id = random_id("embd")
+        request_id = self.response_id(request, body.request_id, "embd")
         for prompt in prompts:
             try:
                 self.engine.validate(prompt, params)
@@ -108,7 +120,7 @@ class EmbeddingServing(OpenAIServing):
                 raise bad_request(str(error), "input") from error
         timer = self.metrics.timer()
         runs = [
-            self.engine.embed(f"{request_id}-{i}", prompt, params, body.cache_salt)
+            self.engine.embed(f"{engine_request_id(request_id)}-{i}", prompt, params, body.cache_salt)
             for i, prompt in enumerate(prompts)
         ]
         try:

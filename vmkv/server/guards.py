@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import uuid
 from collections.abc import Sequence
 
 from starlette.datastructures import Headers
@@ -53,6 +54,30 @@ class BodySizeLimit:
 
     def _message(self, size: str) -> str:
         return f"request body of {size} bytes is over the limit of {self.max_bytes} bytes"
+
+
+class RequestIdHeaders:
+    """Answers every request with an X-Request-Id header: the request's own, else a new one
+    (vLLM's --enable-request-id-headers), so a proxy or client can match logs to answers."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())],
+                }
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 PROBE_PATHS = ("/health", "/version")  # what a load balancer or orchestrator asks without a key

@@ -122,6 +122,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="let a request bring its own chat_template (Jinja code this server then runs)",
     )
     server.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer every request with an X-Request-Id header (its own, else a new one)",
+    )
+    server.add_argument(
         "--embedding-pooling",
         choices=POOLING,
         default=None,
@@ -274,6 +279,7 @@ def serve_main(args: argparse.Namespace) -> None:
             trust_request_chat_template=args.trust_request_chat_template,
             enable_prompt_embeds=args.enable_prompt_embeds,
             embedding_pooling=args.embedding_pooling or checkpoint_pooling(engine.model_path),
+            request_id_headers=args.enable_request_id_headers,
         )
     except ValueError as error:
         engine.shutdown()

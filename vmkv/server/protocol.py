@@ -55,8 +55,13 @@ Text = Annotated[str, AfterValidator(_utf8_encodable)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+MAX_REQUEST_ID_CHARS = 256
+
+
+def engine_request_id(request_id: str) -> str:
+    """The engine's id for a request answered as `request_id`: unique even when clients reuse
+    their ids (vLLM's rule: the client's id and a random suffix)."""
+    return f"{request_id}-{uuid.uuid4().hex[:8]}"
 
 
 def now() -> int:
@@ -196,6 +201,10 @@ class SamplingFields(SamplingExtensions):
     )
     return_token_ids: StrictBool | None = Field(
         default=None, description="Each choice carries its token ids, and the response the prompt's."
+    )
+    request_id: Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)] | None = Field(
+        default=None,
+        description="vLLM's: the id the response carries (after its prefix); the X-Request-Id header wins.",
     )
     # known and refused with a 400 when set (see docs/server.md)
     logits_processors: list[Any] | None = None

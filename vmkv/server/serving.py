@@ -10,6 +10,7 @@ deltas, which a stream forwards and a plain response accumulates.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from vmkv.server.errors import APIError, bad_request, error_body
 from vmkv.server.limits import RequestLimits
 from vmkv.server.metrics import RequestTimer, ServingMetrics
 from vmkv.server.protocol import (
+    MAX_REQUEST_ID_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
     PromptTokensDetails,
@@ -139,6 +141,17 @@ class OpenAIServing:
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
+
+    @staticmethod
+    def response_id(request: Request | None, given: str | None, prefix: str) -> str:
+        """The id a response carries: `prefix-` and the request's X-Request-Id header, else the
+        body's request_id, else a new one (vLLM's rule), so a caller can trace its requests."""
+        header = request.headers.get("x-request-id") if request is not None else None
+        if header is not None and not 0 < len(header) <= MAX_REQUEST_ID_CHARS:
+            raise bad_request(
+                f"X-Request-Id must have 1 to {MAX_REQUEST_ID_CHARS} characters", "X-Request-Id"
+            )
+        return f"{prefix}-{header or given or uuid.uuid4().hex}"
 
     # ---------------------------------------------------------------- checks shared by endpoints
     def check_model(self, name: str | None) -> None:
