@@ -1082,6 +1082,35 @@ def test_a_callers_request_id_names_the_response_even_when_reused(
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "X-Request-Id"
 
 
+def test_a_stream_interval_sends_tokens_in_chunks_after_the_first(
+    client: openai.OpenAI, served: Served
+) -> None:
+    """vLLM's stream_interval: the first token at once, then chunks of that many, the rest with
+    the finish; the text is the same. The server's --stream-interval is a floor a request raises."""
+
+    def chunk_sizes(client: openai.OpenAI, **extra: object) -> tuple[list[int], str]:
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True} | extra,
+        )
+        chunks = [c.choices[0] for c in stream if c.choices]
+        return [len(c.model_extra["token_ids"]) for c in chunks if c.model_extra.get("token_ids")], "".join(
+            c.text for c in chunks
+        )
+
+    whole = complete(client, max_tokens=10, ignore_eos=True).choices[0].text
+    assert chunk_sizes(client) == ([1] * 10, whole)
+    assert chunk_sizes(client, stream_interval=4) == ([1, 4, 4, 1], whole)
+    with LiveServer(build_app(served.engine, MODEL, stream_interval=3)) as server:
+        floor = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        assert chunk_sizes(floor, stream_interval=1) == ([1, 3, 3, 3], whole)
+        assert chunk_sizes(floor, stream_interval=5) == ([1, 5, 4], whole)
+
+
 def test_request_id_headers_answer_with_the_requests_id_or_a_new_one(served: Served) -> None:
     with LiveServer(build_app(served.engine, MODEL, request_id_headers=True)) as server:
         assert (

@@ -80,6 +80,7 @@ def build_app(
     enable_prompt_embeds: bool = False,
     embedding_pooling: str = "last",
     request_id_headers: bool = False,
+    stream_interval: int = 1,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -93,7 +94,8 @@ def build_app(
     renders chats in place of the model's; with `trust_request_chat_template`, a request may
     bring its own. `enable_prompt_embeds` lets completions give prompts as embeddings.
     `embedding_pooling` ("last" or "mean") is how /v1/embeddings pools a prompt's hidden states.
-    With `request_id_headers`, every answer carries an X-Request-Id header.
+    With `request_id_headers`, every answer carries an X-Request-Id header. A stream's tokens go
+    out in chunks of at least `stream_interval` (a request may ask for more).
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
@@ -101,7 +103,12 @@ def build_app(
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
     serving_metrics, limits = ServingMetrics(served_model_name), limits or RequestLimits()
     completions = CompletionServing(
-        engine, served_model_name, serving_metrics, limits, enable_prompt_embeds=enable_prompt_embeds
+        engine,
+        served_model_name,
+        serving_metrics,
+        limits,
+        enable_prompt_embeds=enable_prompt_embeds,
+        stream_interval=stream_interval,
     )
     chat = ChatServing(
         engine,
@@ -112,6 +119,7 @@ def build_app(
         reasoning_parser,
         chat_template,
         trust_request_chat_template,
+        stream_interval,
     )
     store = response_store or ResponseStore(int(DEFAULT_STORE_MIB * 2**20))
     responses = ResponsesServing(chat, store)

@@ -86,8 +86,9 @@ class ChatServing(OpenAIServing):
         reasoning_parser: str | None = None,
         chat_template: str | None = None,
         trust_request_chat_template: bool = False,
+        stream_interval: int = 1,
     ) -> None:
-        super().__init__(engine, model_name, metrics, limits)
+        super().__init__(engine, model_name, metrics, limits, stream_interval)
         self.tool_call_parser = tool_call_parser  # reads the calls of tool_choice "auto" (tool_parser.py)
         self.reasoning_parser = reasoning_parser  # splits the reasoning from the answer (reasoning.py)
         # where an output constraint starts when the model thinks first

@@ -45,8 +45,8 @@ from vmkv.server.streaming import (
 
 
 class CompletionServing(OpenAIServing):
-    def __init__(self, *args: object, enable_prompt_embeds: bool = False) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: object, enable_prompt_embeds: bool = False, stream_interval: int = 1) -> None:
+        super().__init__(*args, stream_interval=stream_interval)
         self.enable_prompt_embeds = enable_prompt_embeds  # prompts as embeddings (--enable-prompt-embeds)
 
     async def create(self, body: CompletionRequest, request: Request) -> Response:

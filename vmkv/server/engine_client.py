@@ -94,9 +94,11 @@ class EngineClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        stream_interval: int = 1,
     ) -> AsyncGenerator[list[SampleDelta], None]:
         """One list of deltas per engine step that advanced the request, until every sample ends.
-        `prompt` is token ids, or a [tokens, hidden] tensor of embeddings."""
+        `prompt` is token ids, or a [tokens, hidden] tensor of embeddings. A sample's tokens after
+        its first are held until `stream_interval` of them have come (or it ends)."""
         sent: dict[int, _Sent] = {}
         prompt_logprobs_sent = False
         stream = self.llm.generate(
@@ -109,8 +111,14 @@ class EngineClient:
                 deltas = [
                     delta
                     for sample in output.outputs
-                    if (delta := _delta(sample, sent.setdefault(sample.index, _Sent()), params))
+                    if (
+                        delta := _delta(
+                            sample, sent.setdefault(sample.index, _Sent()), params, stream_interval
+                        )
+                    )
                 ]
+                if not deltas:  # a prompt chunk, or tokens held for the stream interval
+                    continue
                 for delta in deltas:
                     delta.num_cached_tokens = output.num_cached_tokens
                 if output.prompt_logprobs is not None and deltas and not prompt_logprobs_sent:
@@ -165,12 +173,17 @@ def _engine_dead(reason: str) -> EngineDeadError:
     return EngineDeadError(f"the engine has stopped: {reason}")
 
 
-def _delta(sample: CompletionOutput, sent: _Sent, params: SamplingParams) -> SampleDelta | None:
-    """The part of a cumulative sample not sent yet, or None if nothing changed. A token's top
+def _delta(
+    sample: CompletionOutput, sent: _Sent, params: SamplingParams, interval: int = 1
+) -> SampleDelta | None:
+    """The part of a cumulative sample not sent yet, or None if nothing changed (or, after its
+    first tokens, fewer than `interval` new ones came and it has not ended). A token's top
     logprobs are its k most likely, or the tokens logprob_token_ids lists, in their order."""
+    newly_finished = sample.finish_reason is not None and not sent.finished
+    if not newly_finished and sent.tokens and len(sample.token_ids) - sent.tokens < interval:
+        return None
     text = sample.text[sent.chars :]
     token_ids = sample.token_ids[sent.tokens :]
-    newly_finished = sample.finish_reason is not None and not sent.finished
     if not text and not token_ids and not newly_finished:
         return None
     logprobs = None

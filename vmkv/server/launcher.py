@@ -122,6 +122,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="let a request bring its own chat_template (Jinja code this server then runs)",
     )
     server.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="a stream's tokens go out in chunks of at least this many (its first and last at once); "
+        "a request's stream_interval may raise it",
+    )
+    server.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="answer every request with an X-Request-Id header (its own, else a new one)",
@@ -280,6 +287,7 @@ def serve_main(args: argparse.Namespace) -> None:
             enable_prompt_embeds=args.enable_prompt_embeds,
             embedding_pooling=args.embedding_pooling or checkpoint_pooling(engine.model_path),
             request_id_headers=args.enable_request_id_headers,
+            stream_interval=args.stream_interval,
         )
     except ValueError as error:
         engine.shutdown()

@@ -206,6 +206,11 @@ class SamplingFields(SamplingExtensions):
         default=None,
         description="vLLM's: the id the response carries (after its prefix); the X-Request-Id header wins.",
     )
+    stream_interval: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        default=None,
+        description="vLLM's: a stream's tokens go out in chunks of at least this many (its first and last "
+        "at once); raises the server's --stream-interval, never lowers it.",
+    )
     # known and refused with a 400 when set (see docs/server.md)
     logits_processors: list[Any] | None = None
     use_beam_search: StrictBool = False

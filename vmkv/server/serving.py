@@ -62,6 +62,7 @@ class Submission:
     priority: int = 0
     echo: str = ""  # text each choice starts with (the prompt, or chat's last assistant message)
     prompt_embeds: torch.Tensor | None = None  # the prompt itself: its prompt_ids are placeholders
+    stream_interval: int = 1  # a stream's new tokens are sent once this many have come
 
 
 @dataclass
@@ -128,12 +129,20 @@ PROMPT_CHARS_SLACK = 4
 
 class OpenAIServing:
     def __init__(
-        self, engine: EngineClient, model_name: str, metrics: ServingMetrics, limits: RequestLimits
+        self,
+        engine: EngineClient,
+        model_name: str,
+        metrics: ServingMetrics,
+        limits: RequestLimits,
+        stream_interval: int = 1,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits
+        # a stream's tokens go out in chunks of at least this many (its first and last at once):
+        # fewer, larger events for this process to frame and the client to parse
+        self.stream_interval = stream_interval
         # No text longer than this fits max_model_len, whatever it says: refused untokenized.
         longest_token = max(len(token) for token in engine.tokenizer.get_vocab())
         self.max_prompt_chars = PROMPT_CHARS_SLACK * engine.max_model_len * longest_token
@@ -318,6 +327,7 @@ class OpenAIServing:
             body.cache_salt,
             body.priority,
             prompt_embeds=prompt_embeds,
+            stream_interval=max(self.stream_interval, body.stream_interval or 1) if body.stream else 1,
         )
 
     def _params(
@@ -376,6 +386,7 @@ class OpenAIServing:
                 s.params,
                 s.cache_salt,
                 s.priority,
+                s.stream_interval,
             )
             for s in submissions
         ]
