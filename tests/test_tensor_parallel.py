@@ -69,6 +69,7 @@ class Run:
     stats: EngineStats
     kv_bytes: list[int]  # per rank
     messages: int  # steps sent to the other ranks
+    embeddings: list[list[float]]  # LLM.embed of two prompts, after the generations
 
 
 def run(model: Path, case: dict, tensor_parallel_size: int, **options: object) -> Run:
@@ -80,11 +81,13 @@ def run(model: Path, case: dict, tensor_parallel_size: int, **options: object) -
         outputs = llm.generate(PROMPTS, PARAMS)
         engine = llm.engine
         tp = engine.tp
+        stats = engine.stats()
         return Run(
             [[sample.token_ids for sample in out.outputs] for out in outputs],
-            engine.stats(),
+            stats,
             [kv_storage_bytes(engine.cache)] if tp is None else tp.kv_bytes_per_rank(),
             0 if tp is None else tp.stats.steps,
+            llm.embed(PROMPTS[:2], pooling="mean"),
         )
     finally:
         llm.close()
@@ -100,6 +103,8 @@ def test_two_ranks_give_one_rank_s_greedy_outputs_under_preemption(runs: tuple[R
     one, two = runs
     assert one.stats.num_preemptions > 0, "the budget should force preemption"
     assert two.tokens == one.tokens
+    # the hidden states the ranks' sums assemble pool to the one rank's embeddings
+    assert torch.allclose(torch.tensor(two.embeddings), torch.tensor(one.embeddings), atol=1e-5)
 
 
 def test_the_kv_manager_decides_once_and_the_other_rank_follows(runs: tuple[Run, Run]) -> None:
