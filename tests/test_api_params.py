@@ -189,6 +189,11 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(client: openai.OpenAI)
     assert complete(client, max_tokens=2, **eos).choices[0].text == ""
     kept = complete(client, max_tokens=2, skip_special_tokens=False, **eos).choices[0].text
     assert kept == "<|im_end|>" * 2
+    # a fast tokenizer never spaces special tokens, so vLLM's switch changes nothing
+    unspaced = complete(
+        client, max_tokens=2, skip_special_tokens=False, spaces_between_special_tokens=False, **eos
+    )
+    assert unspaced.choices[0].text == kept
 
 
 # ------------------------------------------------------------------------- echo and stop_reason
@@ -1002,7 +1007,6 @@ def test_prompt_logprobs_come_in_vllms_shape(
         ({"use_beam_search": True, "stop": ["x"]}, "stop"),
         ({"use_beam_search": True, "bad_words": ["x"]}, "bad_words"),
         ({"length_penalty": 0.5}, "length_penalty"),
-        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ({"logprob_token_ids": [5]}, "logprob_token_ids"),
         ({"priority": 1}, "priority"),
         ({"allowed_token_ids": [100000]}, "allowed_token_ids"),

@@ -236,7 +236,10 @@ class ChatServing(OpenAIServing):
         """Check, render and tokenize a chat request into its engine request, or raise the 4xx.
         With `request`, the response id follows its X-Request-Id or the body's request_id."""
         self.check_model(body.model)
-        check_supported(chat_refusals(body, self.tool_call_parser is not None) + sampling_refusals(body))
+        check_supported(
+            chat_refusals(body, self.tool_call_parser is not None)
+            + sampling_refusals(body, self.tokenizer.is_fast)
+        )
         if body.thinking_token_budget is not None and self.reasoning_parser is None:
             raise bad_request(
                 "a thinking budget needs the server's --reasoning-parser, which knows where thinking ends",

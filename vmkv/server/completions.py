@@ -51,7 +51,7 @@ class CompletionServing(OpenAIServing):
 
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        check_supported(completion_refusals(body) + sampling_refusals(body))
+        check_supported(completion_refusals(body) + sampling_refusals(body, self.tokenizer.is_fast))
         self.check_alive()
         request_id = self.response_id(request, body.request_id, "cmpl")
         engine_id = engine_request_id(request_id)

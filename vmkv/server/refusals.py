@@ -18,7 +18,9 @@ def check_supported(refusals: list[Refusal]) -> None:
             raise bad_request(f"{param} is not supported: {reason}", param)
 
 
-def sampling_refusals(body: SamplingFields) -> list[Refusal]:
+def sampling_refusals(body: SamplingFields, fast_tokenizer: bool) -> list[Refusal]:
+    """`fast_tokenizer`: the model's tokenizer is a fast (Rust) one, whose decoding never puts
+    spaces between special tokens, so spaces_between_special_tokens changes nothing (as in vLLM)."""
     return [
         ("logits_processors", bool(body.logits_processors), "custom logits processors cannot be loaded"),
         (
@@ -26,7 +28,11 @@ def sampling_refusals(body: SamplingFields) -> list[Refusal]:
             body.length_penalty != 1.0 and not body.use_beam_search,
             "it applies to beam search (use_beam_search)",
         ),
-        ("spaces_between_special_tokens", not body.spaces_between_special_tokens, "not implemented"),
+        (
+            "spaces_between_special_tokens",
+            not body.spaces_between_special_tokens and not fast_tokenizer,
+            "this model's tokenizer is a slow one, whose spacing of special tokens is not implemented",
+        ),
     ]
 
 
