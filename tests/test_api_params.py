@@ -624,6 +624,62 @@ def test_a_named_tool_choice_answers_one_call_with_valid_arguments(client: opena
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments
 
 
+def test_deprecated_functions_are_tools_answered_as_function_call(
+    client: openai.OpenAI, served: Served
+) -> None:
+    """functions + function_call by name: the same call tools + a named tool_choice make, come
+    back as message.function_call (delta.function_call pieces in a stream); an earlier call and
+    its `function` answer make the prompt tool_calls and a tool message make."""
+    functions = [tool["function"] for tool in TOOLS]
+    named = dict(model=MODEL, messages=ASK, max_tokens=40, temperature=0.0)
+    as_tools = client.chat.completions.create(
+        **named, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "weather"}}
+    ).choices[0]
+    legacy = client.chat.completions.create(
+        **named, functions=functions, function_call={"name": "weather"}
+    ).choices[0]
+    assert legacy.message.tool_calls is None and legacy.message.content is None
+    assert legacy.message.function_call.name == "weather"
+    assert legacy.message.function_call.arguments == as_tools.message.tool_calls[0].function.arguments
+    assert legacy.finish_reason == as_tools.finish_reason == "stop"  # a named call, as OpenAI's
+    chunks = client.chat.completions.create(
+        **named, functions=functions, function_call={"name": "weather"}, stream=True
+    )
+    pieces = [
+        c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call
+    ]
+    assert pieces[0].name == "weather" and all(p.name is None for p in pieces[1:])
+    assert "".join(p.arguments for p in pieces) == legacy.message.function_call.arguments
+
+    arguments = legacy.message.function_call.arguments
+    earlier = [
+        *ASK,
+        {"role": "assistant", "content": None, "function_call": {"name": "weather", "arguments": arguments}},
+        {"role": "function", "name": "weather", "content": "Sunny"},
+    ]
+    spelled_as_tools = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=earlier, max_tokens=1, functions=functions, function_call="none"
+    )
+    tokenized = httpx.post(
+        f"{served.url}/tokenize", json={"model": MODEL, "messages": spelled_as_tools, "tools": TOOLS}
+    ).json()["count"]
+    assert answer.usage.prompt_tokens == tokenized
+    with pytest.raises(openai.BadRequestError) as caught:  # both spellings at once
+        client.chat.completions.create(**named, functions=functions, tools=TOOLS, tool_choice="none")
+    assert caught.value.body["param"] == "functions"
+
+
 def test_required_tool_choice_answers_calls_of_the_given_tools(client: openai.OpenAI) -> None:
     request = {
         "model": MODEL,

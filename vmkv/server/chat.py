@@ -18,7 +18,14 @@ from transformers import PreTrainedTokenizerBase
 from vmkv.engine import RequestRejected
 from vmkv.server.chat_template import template_variables
 from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed
-from vmkv.server.errors import bad_request
+from vmkv.server.errors import APIError, bad_request
+from vmkv.server.functions import (
+    as_tools_request,
+    function_choice,
+    function_chunk_choice,
+    renamed,
+    uses_functions,
+)
 from vmkv.server.limits import RequestLimits
 from vmkv.server.logprobs import LogprobFormatter
 from vmkv.server.metrics import RequestTimer, ServingMetrics
@@ -208,14 +215,22 @@ class ChatServing(OpenAIServing):
         )
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
-        run = await self.prepare(body, request=request)
+        functions = uses_functions(body)  # the deprecated spelling of tools, answered in it
+        if functions:
+            try:
+                body = as_tools_request(body)
+                run = await self.prepare(body, request=request)
+            except APIError as error:
+                raise renamed(error) from error
+        else:
+            run = await self.prepare(body, request=request)
         request_id, submissions, reasoning = run.request_id, run.submissions, run.reasoning
         prompt_ids = submissions[0].prompt_ids
         logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
         timer = self.metrics.timer()
         if body.stream:
             return EventStreamResponse(
-                self.chat_events(body, request_id, submissions, timer, logprob_format, reasoning)
+                self.chat_events(body, request_id, submissions, timer, logprob_format, reasoning, functions)
             )
         choices = await self.collect_or_answer_disconnect(request, submissions, timer)
         if isinstance(choices, Response):
@@ -223,7 +238,11 @@ class ChatServing(OpenAIServing):
         response = ChatCompletionResponse(
             id=request_id,
             model=self.model_name,
-            choices=[self.chat_choice(body, choice, logprob_format, reasoning) for choice in choices],
+            choices=[
+                function_choice(answer) if functions else answer
+                for choice in choices
+                for answer in [self.chat_choice(body, choice, logprob_format, reasoning)]
+            ],
             usage=usage(submissions, choices),
             prompt_logprobs=logprob_format.prompt(choices[0].prompt_logprobs, body.prompt_logprobs),
             prompt_token_ids=prompt_ids if body.return_token_ids else None,
@@ -320,6 +339,7 @@ class ChatServing(OpenAIServing):
         timer: RequestTimer,
         logprob_format: LogprobFormatter,
         reasoning_parser: str | None,
+        functions: bool = False,
     ) -> AsyncGenerator[str, None]:
         created = now()
         choices = new_choices(submissions)
@@ -393,17 +413,18 @@ class ChatServing(OpenAIServing):
                         if delta is None and not item.worth_sending(with_tokens, with_text=False):
                             continue
                         delta = delta or DeltaMessage()
+                        chunk_choice = ChatChunkChoice(
+                            index=item.choice.index,
+                            delta=delta,
+                            logprobs=(
+                                logprob_format.chat(item.delta.logprobs or []) if body.logprobs else None
+                            ),
+                            finish_reason=finish_reason(body, item.delta.finish_reason, called(item)),
+                            stop_reason=item.delta.stop_reason,
+                            token_ids=item.delta.token_ids if body.return_token_ids else None,
+                        )
                         chunk_choices.append(
-                            ChatChunkChoice(
-                                index=item.choice.index,
-                                delta=delta,
-                                logprobs=(
-                                    logprob_format.chat(item.delta.logprobs or []) if body.logprobs else None
-                                ),
-                                finish_reason=finish_reason(body, item.delta.finish_reason, called(item)),
-                                stop_reason=item.delta.stop_reason,
-                                token_ids=item.delta.token_ids if body.return_token_ids else None,
-                            )
+                            function_chunk_choice(chunk_choice) if functions else chunk_choice
                         )
                     if chunk_choices:
                         yield chunk(chunk_choices)

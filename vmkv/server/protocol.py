@@ -273,10 +273,12 @@ class ToolCall(BaseModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Text | list[TextContentPart] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # the call a tool message answers
+    function_call: FunctionCall | None = None  # an assistant's earlier call (deprecated functions)
+    name: Text | None = None  # the function a "function" message answers
 
     @property
     def text(self) -> str:
@@ -361,9 +363,13 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: StrictBool | None = Field(
         default=None, description='false: "required" makes exactly one call.'
     )
+    functions: list[FunctionDefinition] | None = Field(
+        default=None, description="OpenAI's deprecated spelling of tools: served as tools, one call at most."
+    )
+    function_call: Literal["none", "auto"] | NamedFunction | None = Field(
+        default=None, description="OpenAI's deprecated spelling of tool_choice, with functions."
+    )
     # known and refused with a 400 when set (see docs/server.md)
-    functions: list[Any] | None = None
-    function_call: Any = None
     verbosity: Literal["low", "medium", "high"] | None = None  # "medium", the default, is accepted
     audio: Any = None
     prediction: Any = None
@@ -466,6 +472,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None when the answer is tool calls, as OpenAI sends it
     tool_calls: list[ToolCall] | None = sent_if_asked()
+    function_call: FunctionCall | None = sent_if_asked()  # with the deprecated functions
     reasoning: str | None = sent_if_asked()  # vLLM's, with a reasoning parser
 
 
@@ -509,6 +516,7 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunctionCall | None = None  # with the deprecated functions
     reasoning: str | None = None
 
     @model_serializer(mode="wrap")

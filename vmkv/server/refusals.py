@@ -62,8 +62,6 @@ def chat_refusals(body: ChatCompletionRequest, parses_calls: bool) -> list[Refus
             body.tool_choice == "auto" and not parses_calls,
             f'{no_parser}; use "required" or name a function',
         ),
-        ("functions", bool(body.functions), "deprecated by OpenAI; use tools"),
-        ("function_call", body.function_call not in (None, "none"), "deprecated by OpenAI; use tool_choice"),
         (
             "prompt_logprobs",
             body.stream and body.prompt_logprobs is not None,
