@@ -1184,6 +1184,16 @@ def test_request_id_headers_answer_with_the_requests_id_or_a_new_one(served: Ser
     assert "x-request-id" not in httpx.get(f"{served.url}/v1/models").headers  # off by default
 
 
+def test_request_logging_logs_one_line_per_finished_request(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    with LiveServer(build_app(served.engine, MODEL, log_requests=True)) as server, caplog.at_level("INFO"):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "request_id": "logged", "ignore_eos": True}
+        assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+    (line,) = [r.getMessage() for r in caplog.records if "request cmpl-logged" in r.getMessage()]
+    assert f"(length): {len(PROMPT)} prompt tokens, 3 generated, first token after" in line
+
+
 def test_accepted_no_op_fields_change_nothing(client: openai.OpenAI) -> None:
     plain = complete(client).choices[0].text
     assert complete(client, user="someone", best_of=1).choices[0].text == plain

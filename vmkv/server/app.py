@@ -81,6 +81,7 @@ def build_app(
     embedding_pooling: str = "last",
     request_id_headers: bool = False,
     stream_interval: int = 1,
+    log_requests: bool = False,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -95,13 +96,14 @@ def build_app(
     bring its own. `enable_prompt_embeds` lets completions give prompts as embeddings.
     `embedding_pooling` ("last" or "mean") is how /v1/embeddings pools a prompt's hidden states.
     With `request_id_headers`, every answer carries an X-Request-Id header. A stream's tokens go
-    out in chunks of at least `stream_interval` (a request may ask for more).
+    out in chunks of at least `stream_interval` (a request may ask for more). With
+    `log_requests`, every finished request logs one line (its id, tokens, latencies).
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
-    serving_metrics, limits = ServingMetrics(served_model_name), limits or RequestLimits()
+    serving_metrics, limits = ServingMetrics(served_model_name, log_requests), limits or RequestLimits()
     completions = CompletionServing(
         engine,
         served_model_name,

@@ -227,7 +227,7 @@ class ChatServing(OpenAIServing):
         request_id, submissions, reasoning = run.request_id, run.submissions, run.reasoning
         prompt_ids = submissions[0].prompt_ids
         logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
-        timer = self.metrics.timer()
+        timer = self.metrics.timer(request_id)
         if body.stream:
             return EventStreamResponse(
                 self.chat_events(body, request_id, submissions, timer, logprob_format, reasoning, functions)

@@ -118,7 +118,7 @@ class EmbeddingServing(OpenAIServing):
                 self.engine.validate(prompt, params)
             except RequestRejected as error:
                 raise bad_request(str(error), "input") from error
-        timer = self.metrics.timer()
+        timer = self.metrics.timer(request_id)
         runs = [
             self.engine.embed(f"{engine_request_id(request_id)}-{i}", prompt, params, body.cache_salt)
             for i, prompt in enumerate(prompts)

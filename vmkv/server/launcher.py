@@ -129,6 +129,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "a request's stream_interval may raise it",
     )
     server.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log one line per finished request: its id, finish reasons, tokens and latencies (no text)",
+    )
+    server.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="answer every request with an X-Request-Id header (its own, else a new one)",
@@ -288,6 +293,7 @@ def serve_main(args: argparse.Namespace) -> None:
             embedding_pooling=args.embedding_pooling or checkpoint_pooling(engine.model_path),
             request_id_headers=args.enable_request_id_headers,
             stream_interval=args.stream_interval,
+            log_requests=args.enable_log_requests,
         )
     except ValueError as error:
         engine.shutdown()

@@ -73,7 +73,7 @@ class MessagesServing:
             )
             chat_body = body.as_chat(self.reasoning_effort(body), budget)
             run = await self.chat.prepare(chat_body, id_prefix="msg")
-        timer = self.chat.metrics.timer()
+        timer = self.chat.metrics.timer(run.request_id)
         if body.stream:
             return EventStreamResponse(self.events(chat_body, run, timer))
         choices = await self.chat.collect_or_answer_disconnect(request, run.submissions, timer)

@@ -10,6 +10,7 @@ scrape time. Everything is touched only from the event loop, so no locks are nee
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import time
 from collections import Counter
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 from vmkv.engine import EngineStats
 from vmkv.engine.sequence import FinishReason
+
+logger = logging.getLogger(__name__)
 
 COMMON_PREFIX = "vllm:"  # names and meanings as vLLM exports them
 PREFIX = "vmkv:"  # vmkv's own
@@ -55,10 +58,12 @@ class Histogram:
 
 
 class RequestTimer:
-    """Times one request from arrival to finish; feeds the latency histograms once it ends."""
+    """Times one request from arrival to finish; feeds the latency histograms once it ends, and
+    with request logging on, logs one line saying what it did."""
 
-    def __init__(self, metrics: ServingMetrics) -> None:
+    def __init__(self, metrics: ServingMetrics, request_id: str) -> None:
         self.metrics = metrics
+        self.request_id = request_id
         self.arrival = time.perf_counter()
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -79,6 +84,18 @@ class RequestTimer:
         """`longest_output` is the longest sample's length: the number of decode steps taken;
         `finish_reasons` holds one entry per sample (vLLM's v1 counts each sample as a request)."""
         now = time.perf_counter()
+        if self.metrics.log_requests:
+            ttft = "-" if self.first_token is None else f"{self.first_token - self.arrival:.3f} s"
+            logger.info(
+                "request %s finished (%s): %d prompt tokens, %d generated, first token after %s, "
+                "%.3f s in all",
+                self.request_id,
+                ", ".join(sorted(set(finish_reasons))) or "-",
+                prompt_tokens,
+                generated_tokens,
+                ttft,
+                now - self.arrival,
+            )
         self.metrics.request_success.update(finish_reasons)
         self.metrics.prompt_tokens += prompt_tokens
         self.metrics.generation_tokens += generated_tokens
@@ -88,8 +105,9 @@ class RequestTimer:
 
 
 class ServingMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, log_requests: bool = False) -> None:
         self.labels = {"model_name": model_name}
+        self.log_requests = log_requests  # one log line per finished request (--enable-log-requests)
         self.request_success: Counter[str] = Counter()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -104,8 +122,8 @@ class ServingMetrics:
         )
         self.e2e = Histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def timer(self, request_id: str) -> RequestTimer:
+        return RequestTimer(self, request_id)
 
     def render(self, engines: list[EngineStats], front: dict[str, Sample] | None = None) -> str:
         """What the engines report (one per data-parallel replica, labelled `replica` when there

@@ -146,7 +146,7 @@ class ResponsesServing:
             raise
         keep = self.store.enabled and body.store is not False
         run = ResponseRun(body, chat_body, chat_run, conversation, keep)
-        timer = self.chat.metrics.timer()
+        timer = self.chat.metrics.timer(run.id)
         if body.background:
             return self.start_in_background(run, timer)
         if body.stream:
