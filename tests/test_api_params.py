@@ -1051,7 +1051,7 @@ def test_prompt_logprobs_come_in_vllms_shape(
     ("extra", "param"),
     [
         ({"suffix": "the end"}, "suffix"),
-        ({"best_of": 2}, "best_of"),
+        ({"best_of": 2, "n": 3}, "best_of"),  # fewer candidates than choices
         ({"bad_words": [""]}, "bad_words"),
         ({"bad_words": ["x"] * 129}, "bad_words"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
@@ -1192,6 +1192,26 @@ def test_request_logging_logs_one_line_per_finished_request(
         assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
     (line,) = [r.getMessage() for r in caplog.records if "request cmpl-logged" in r.getMessage()]
     assert f"(length): {len(PROMPT)} prompt tokens, 3 generated, first token after" in line
+
+
+def test_best_of_returns_the_n_candidates_of_the_highest_logprob_per_token(client: openai.OpenAI) -> None:
+    """Seeded samples do not depend on the batch, so n = 4 shows the four candidates best_of = 4
+    draws: the answer is the two of the highest mean token logprob, best first, and the usage
+    counts all four."""
+    seeded = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11)
+    candidates = client.completions.create(**seeded, n=4, logprobs=0).choices
+
+    def mean(choice: openai.types.CompletionChoice) -> float:
+        return sum(choice.logprobs.token_logprobs) / len(choice.logprobs.token_logprobs)
+
+    best = [c.text for c in sorted(candidates, key=mean, reverse=True)[:2]]
+    answer = client.completions.create(**seeded, n=2, best_of=4)
+    assert [c.text for c in answer.choices] == best and [c.index for c in answer.choices] == [0, 1]
+    assert all(c.logprobs is None for c in answer.choices)  # not asked for
+    assert answer.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in candidates)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**seeded, n=2, best_of=4, stream=True)
+    assert caught.value.body["param"] == "best_of"
 
 
 def test_accepted_no_op_fields_change_nothing(client: openai.OpenAI) -> None:

@@ -55,6 +55,7 @@ class CompletionServing(OpenAIServing):
         self.check_alive()
         request_id = self.response_id(request, body.request_id, "cmpl")
         engine_id = engine_request_id(request_id)
+        wanted, body = body, candidates_body(body)  # with best_of, the engine samples the candidates
         submissions = []
         embeds = await self.prompt_embeds(body)
         prompts = embeds or completion_prompts(body)
@@ -93,6 +94,9 @@ class CompletionServing(OpenAIServing):
         choices = await self.collect_or_answer_disconnect(request, submissions, timer)
         if isinstance(choices, Response):
             return choices
+        counted = usage(submissions, choices)  # every candidate was generated
+        if body.n > wanted.n:
+            choices, body = best_choices(choices, body.n, wanted.n), wanted
         response = CompletionResponse(
             id=request_id,
             model=self.model_name,
@@ -111,7 +115,7 @@ class CompletionServing(OpenAIServing):
                 )
                 for choice in choices
             ],
-            usage=usage(submissions, choices),
+            usage=counted,
         )
         return JSONResponse(response.model_dump())
 
@@ -249,3 +253,30 @@ def completion_prompts(body: CompletionRequest) -> list[str] | list[list[int]]:
     if not prompt or any(len(item) == 0 for item in prompt):
         raise bad_request("the prompt is empty", "prompt")
     return prompt
+
+
+def candidates_body(body: CompletionRequest) -> CompletionRequest:
+    """The request the engine runs: with best_of above n, best_of samples per prompt, each with
+    its tokens' log-probabilities (which pick the best) even where the answer shows none."""
+    if not body.best_of or body.best_of == body.n:
+        return body
+    logprobs = 0 if body.logprobs is None else body.logprobs
+    return body.model_copy(update={"n": body.best_of, "logprobs": logprobs})
+
+
+def best_choices(choices: list[Choice], candidates: int, n: int) -> list[Choice]:
+    """Each prompt's n candidates of the highest log-probability per token (OpenAI's best_of),
+    best first, numbered as n choices per prompt."""
+    best = []
+    for start in range(0, len(choices), candidates):
+        ranked = sorted(choices[start : start + candidates], key=mean_logprob, reverse=True)[:n]
+        for j, choice in enumerate(ranked):
+            choice.index = start // candidates * n + j
+            best.append(choice)
+    return best
+
+
+def mean_logprob(choice: Choice) -> float:
+    return (
+        sum(t.logprob for t in choice.logprobs) / len(choice.logprobs) if choice.logprobs else float("-inf")
+    )

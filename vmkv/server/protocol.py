@@ -251,7 +251,9 @@ class CompletionRequest(SamplingFields):
         default=True, description="Whether text prompts get the tokenizer's special tokens (BOS)."
     )
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = Field(
-        default=None, description="Only n itself (or null): sampling more than n to keep the best is refused."
+        default=None,
+        description="Sample this many per prompt and return the n of the highest log-probability per "
+        "token (at least n; not with stream).",
     )
     suffix: Text | None = None  # refused when set
 

@@ -39,10 +39,16 @@ def sampling_refusals(body: SamplingFields, fast_tokenizer: bool) -> list[Refusa
 def completion_refusals(body: CompletionRequest) -> list[Refusal]:
     return [
         ("suffix", bool(body.suffix), "this server does not insert text"),
+        ("best_of", body.best_of is not None and body.best_of < body.n, "it must be at least n"),
         (
             "best_of",
-            body.best_of is not None and body.best_of != body.n,
-            "sampling more choices than n and returning the best is not implemented; ask for n",
+            bool(body.best_of and body.best_of > body.n and body.stream),
+            "the best choices are known only when all have ended, so they cannot be streamed",
+        ),
+        (
+            "best_of",
+            bool(body.best_of and body.best_of > body.n and body.use_beam_search),
+            "beam search keeps the n best hypotheses itself",
         ),
     ]
 
