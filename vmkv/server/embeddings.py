@@ -9,8 +9,9 @@ import asyncio
 import base64
 import json
 import struct
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -33,6 +34,7 @@ from vmkv.server.protocol import (
 from vmkv.server.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
 from vmkv.server.streaming import ClientDisconnected, until_disconnected
 
+T = TypeVar("T")
 MAX_INPUTS = 2048  # OpenAI's cap on inputs in one request
 POOLING = ("last", "mean")
 
@@ -119,12 +121,13 @@ class EmbeddingServing(OpenAIServing):
             except RequestRejected as error:
                 raise bad_request(str(error), "input") from error
         timer = self.metrics.timer(request_id)
+        engine_id = engine_request_id(request_id)
         runs = [
-            self.engine.embed(f"{engine_request_id(request_id)}-{i}", prompt, params, body.cache_salt)
+            self.engine.embed(f"{engine_id}-{i}", prompt, params, body.cache_salt)
             for i, prompt in enumerate(prompts)
         ]
         try:
-            results = await until_disconnected(request, asyncio.gather(*runs))
+            vectors = await until_disconnected(request, all_of(runs))
         except EngineDeadError as error:
             raise APIError(503, str(error)) from error
         except RequestFailed as error:
@@ -135,7 +138,7 @@ class EmbeddingServing(OpenAIServing):
         timer.on_finish(num_tokens, 0, 0, ["stop"] * len(prompts))
         data = [
             Embedding(index=i, embedding=encoded(vector, body.encoding_format))
-            for i, (vector, _) in enumerate(results)
+            for i, vector in enumerate(vectors)
         ]
         response = EmbeddingResponse(
             id=request_id,
@@ -170,6 +173,17 @@ class EmbeddingServing(OpenAIServing):
                 )
             prompts.append(item)
         return prompts
+
+
+async def all_of(runs: list[Coroutine[None, None, T]]) -> list[T]:
+    """Every run's result; when one fails (or this is cancelled), the others are cancelled too,
+    so their engine requests are aborted rather than left to finish for nobody."""
+    tasks = [asyncio.ensure_future(run) for run in runs]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def checkpoint_pooling(model_dir: str) -> str:

@@ -133,15 +133,15 @@ class EngineClient:
 
     async def embed(
         self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None = None
-    ) -> tuple[list[float], int]:
-        """A pooling request's (embedding, prompt tokens the prefix cache held)."""
+    ) -> list[float]:
+        """A pooling request's embedding."""
         stream = self.llm.generate(prompt, params, request_id=request_id, cache_salt=cache_salt)
         try:
             async for output in stream:
                 if output.error is not None:
                     raise RequestFailed(output.error)
                 if output.finished:
-                    return output.embedding, output.num_cached_tokens
+                    return output.embedding
         except EngineDead as error:
             raise _engine_dead(str(error)) from error
         finally:
