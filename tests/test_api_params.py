@@ -1571,6 +1571,10 @@ def test_a_thinking_token_budget_ends_the_thinking_and_the_answer_follows(
         ids = reasoner.chat.completions.create(**chat, extra_body=budget | {"return_token_ids": True})
         end = token_ids(served, "</think>")
         assert ids.choices[0].model_extra["token_ids"][3 : 3 + len(end)] == end
+        # a forced call's constraint holds from the forced end of the thinking
+        tools = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+        called = reasoner.chat.completions.create(**chat | {"max_tokens": 60}, **tools, extra_body=budget)
+        assert called.choices[0].message.tool_calls and called.choices[0].message.model_extra["reasoning"]
 
 
 def test_chat_add_special_tokens_puts_the_tokenizers_own_around_the_rendered_chat(
