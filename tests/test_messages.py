@@ -118,6 +118,16 @@ def test_a_message_is_the_chat_completion_of_its_conversation(
     assert counted.input_tokens == chat.usage.prompt_tokens
 
 
+def test_anthropics_client_lists_and_retrieves_the_served_model(
+    served: Served, client: anthropic.Anthropic
+) -> None:
+    page = client.models.list()
+    (card,) = page.data
+    assert (card.id, card.display_name, card.type, page.has_more) == (MODEL, MODEL, "model", False)
+    assert card.created_at is not None and card.max_input_tokens == served.engine.max_model_len
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
 def test_a_streamed_message_is_the_whole_one_in_typed_events(
     served: Served, client: anthropic.Anthropic
 ) -> None:

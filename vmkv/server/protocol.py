@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -551,17 +552,41 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model object, with the fields Anthropic's clients read beside it."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "vmkv"
     root: str
     max_model_len: int
+    type: Literal["model"] = "model"  # Anthropic's
+    display_name: str = ""  # Anthropic's: the id
+    created_at: str = ""  # Anthropic's: `created` in RFC 3339
+    max_input_tokens: int = 0  # Anthropic's: max_model_len
+
+    @model_validator(mode="after")
+    def _anthropic_fields(self) -> ModelCard:
+        self.display_name = self.display_name or self.id
+        self.created_at = self.created_at or datetime.fromtimestamp(self.created, UTC).isoformat()
+        self.max_input_tokens = self.max_input_tokens or self.max_model_len
+        return self
 
 
 class ModelList(BaseModel):
+    """OpenAI's list, with Anthropic's page fields (one page: the server serves one model)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+    @model_validator(mode="after")
+    def _page_ends(self) -> ModelList:
+        if self.data:
+            self.first_id, self.last_id = self.data[0].id, self.data[-1].id
+        return self
 
 
 class ResetPrefixCacheResponse(BaseModel):
