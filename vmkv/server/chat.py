@@ -18,12 +18,12 @@ from transformers import PreTrainedTokenizerBase
 from vmkv.engine import RequestRejected
 from vmkv.server.chat_template import template_variables
 from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed
-from vmkv.server.errors import APIError, bad_request
+from vmkv.server.errors import bad_request, params_renamed
 from vmkv.server.functions import (
+    TOOL_FIELDS,
     as_tools_request,
     function_choice,
     function_chunk_choice,
-    renamed,
     uses_functions,
 )
 from vmkv.server.limits import RequestLimits
@@ -216,13 +216,9 @@ class ChatServing(OpenAIServing):
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         functions = uses_functions(body)  # the deprecated spelling of tools, answered in it
-        if functions:
-            try:
+        with params_renamed(TOOL_FIELDS if functions else {}):
+            if functions:
                 body = as_tools_request(body)
-                run = await self.prepare(body, request=request)
-            except APIError as error:
-                raise renamed(error) from error
-        else:
             run = await self.prepare(body, request=request)
         request_id, submissions, reasoning = run.request_id, run.submissions, run.reasoning
         prompt_ids = submissions[0].prompt_ids

@@ -9,6 +9,8 @@ failure names the offending request field in `param`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -57,6 +59,18 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+@contextmanager
+def params_renamed(names: dict[str, str]) -> Iterator[None]:
+    """For an endpoint served as another request (Responses and Messages as chat, functions as
+    tools): an APIError raised inside names the field of this request that the other one's
+    came from (`names`: the other request's field -> this request's)."""
+    try:
+        yield
+    except APIError as error:
+        error.param = names.get(error.param, error.param)
+        raise
 
 
 def error_body(status: int, message: str, param: str | None = None, path: str = "") -> dict:

@@ -7,7 +7,7 @@ read it: `message.function_call` (`delta.function_call` in a stream), finish_rea
 
 from __future__ import annotations
 
-from vmkv.server.errors import APIError, bad_request
+from vmkv.server.errors import bad_request
 from vmkv.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -63,11 +63,6 @@ def tool_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
             )
         converted.append(message)
     return converted
-
-
-def renamed(error: APIError) -> APIError:
-    error.param = TOOL_FIELDS.get(error.param, error.param)
-    return error
 
 
 def function_choice(choice: ChatChoice) -> ChatChoice:

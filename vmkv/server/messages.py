@@ -7,8 +7,8 @@ streamed as the API's typed events. /v1/messages/count_tokens counts the prompt 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Iterator
-from contextlib import aclosing, contextmanager
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -18,7 +18,7 @@ from pydantic_core import to_jsonable_python
 from vmkv.engine import RequestRejected
 from vmkv.server.chat import ChatRun, ChatServing
 from vmkv.server.engine_client import EngineDeadError, RequestFailed
-from vmkv.server.errors import ANTHROPIC_PATH, APIError, bad_request, error_body
+from vmkv.server.errors import ANTHROPIC_PATH, bad_request, error_body, params_renamed
 from vmkv.server.messages_protocol import (
     ContentOut,
     MessageObject,
@@ -67,7 +67,7 @@ class MessagesServing:
 
     async def create(self, body: MessagesRequest, request: Request) -> Response:
         check_supported(messages_refusals(body))
-        with anthropic_names():
+        with params_renamed(CHAT_FIELDS):
             budget = (
                 body.thinking.budget_tokens if body.thinking and body.thinking.type == "enabled" else None
             )
@@ -84,7 +84,7 @@ class MessagesServing:
     async def count_tokens(self, body: MessagesInput) -> TokenCount:
         """The prompt's tokens, as /v1/messages would make it (a final assistant message continued)."""
         self.chat.check_model(body.model)
-        with anthropic_names():
+        with params_renamed(CHAT_FIELDS):
             chat_body = ChatCompletionRequest(**body.prompt_fields(self.reasoning_effort(body)))
             text = self.chat.render_request(chat_body)
             tokens = await self.chat.encode(text, add_special_tokens=False, param="messages")
@@ -256,13 +256,3 @@ def tool_uses(calls: list[ToolCall]) -> list[ToolUseOut] | None:
             return None
         uses.append(ToolUseOut(id=call.id, name=call.function.name, input=arguments))
     return uses
-
-
-@contextmanager
-def anthropic_names() -> Iterator[None]:
-    """Renames the chat request's field an error names to the field of this request it came from."""
-    try:
-        yield
-    except APIError as error:
-        error.param = CHAT_FIELDS.get(error.param, error.param)
-        raise

@@ -24,7 +24,7 @@ from pydantic_core import to_jsonable_python
 from vmkv.engine import RequestRejected
 from vmkv.server.chat import ChatRun, ChatServing
 from vmkv.server.engine_client import EngineDeadError, RequestFailed, SampleDelta
-from vmkv.server.errors import APIError, bad_request
+from vmkv.server.errors import bad_request, params_renamed
 from vmkv.server.logprobs import LogprobFormatter
 from vmkv.server.metrics import RequestTimer
 from vmkv.server.protocol import (
@@ -139,11 +139,8 @@ class ResponsesServing:
         previous = self.previous(body)
         conversation = body.chat_conversation(previous.conversation if previous else [])
         chat_body = body.as_chat(conversation)
-        try:
+        with params_renamed(CHAT_FIELDS):
             chat_run = await self.chat.prepare(chat_body, id_prefix="resp")
-        except APIError as error:  # the chat request's field names, as this request spells them
-            error.param = CHAT_FIELDS.get(error.param, error.param)
-            raise
         keep = self.store.enabled and body.store is not False
         run = ResponseRun(body, chat_body, chat_run, conversation, keep)
         timer = self.chat.metrics.timer(run.id)
