@@ -126,7 +126,9 @@ def build_app(
     store = response_store or ResponseStore(int(DEFAULT_STORE_MIB * 2**20))
     responses = ResponsesServing(chat, store)
     messages = MessagesServing(chat)
-    embeddings = EmbeddingServing(engine, served_model_name, serving_metrics, limits, embedding_pooling)
+    embeddings = EmbeddingServing(
+        engine, served_model_name, serving_metrics, limits, pooling=embedding_pooling
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

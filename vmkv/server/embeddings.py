@@ -18,10 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StrictBool, StrictInt
 
 from vmkv.engine import RequestRejected, SamplingParams
-from vmkv.server.engine_client import EngineClient, EngineDeadError, RequestFailed
-from vmkv.server.errors import APIError, bad_request
-from vmkv.server.limits import RequestLimits
-from vmkv.server.metrics import ServingMetrics
+from vmkv.server.errors import bad_request
 from vmkv.server.protocol import (
     MAX_REQUEST_ID_CHARS,
     NonEmptyText,
@@ -31,8 +28,7 @@ from vmkv.server.protocol import (
     engine_request_id,
     now,
 )
-from vmkv.server.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
-from vmkv.server.streaming import ClientDisconnected, until_disconnected
+from vmkv.server.serving import OpenAIServing
 
 T = TypeVar("T")
 MAX_INPUTS = 2048  # OpenAI's cap on inputs in one request
@@ -89,15 +85,8 @@ class EmbeddingResponse(BaseModel):
 
 
 class EmbeddingServing(OpenAIServing):
-    def __init__(
-        self,
-        engine: EngineClient,
-        model_name: str,
-        metrics: ServingMetrics,
-        limits: RequestLimits,
-        pooling: str = "last",
-    ) -> None:
-        super().__init__(engine, model_name, metrics, limits)
+    def __init__(self, *args: object, pooling: str = "last") -> None:
+        super().__init__(*args)
         if pooling not in POOLING:
             raise ValueError(f"pooling must be one of {POOLING}, got {pooling!r}")
         self.pooling = pooling
@@ -126,14 +115,9 @@ class EmbeddingServing(OpenAIServing):
             self.engine.embed(f"{engine_id}-{i}", prompt, params, body.cache_salt)
             for i, prompt in enumerate(prompts)
         ]
-        try:
-            vectors = await until_disconnected(request, all_of(runs))
-        except EngineDeadError as error:
-            raise APIError(503, str(error)) from error
-        except RequestFailed as error:
-            raise APIError(500, str(error)) from error
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        vectors = await self.answer_or_disconnect(request, all_of(runs))
+        if isinstance(vectors, Response):
+            return vectors
         num_tokens = sum(len(prompt) for prompt in prompts)
         timer.on_finish(num_tokens, 0, 0, ["stop"] * len(prompts))
         data = [

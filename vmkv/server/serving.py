@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from fastapi import Request
@@ -48,6 +49,7 @@ from vmkv.server.structured_request import structured_specs
 
 # The status nginx made the convention for "client closed the request"; nobody is left to read it.
 CLIENT_CLOSED_REQUEST = 499
+T = TypeVar("T")
 
 
 @dataclass
@@ -418,8 +420,13 @@ class OpenAIServing:
         self, request: Request, submissions: list[Submission], timer: RequestTimer
     ) -> list[Choice] | Response:
         """Collect a whole answer, giving up (and aborting) if the client leaves first."""
+        return await self.answer_or_disconnect(request, self.collect(submissions, timer))
+
+    async def answer_or_disconnect(self, request: Request, work: Awaitable[T]) -> T | Response:
+        """The result of a whole answer's engine work, or the 4xx/5xx its failure means; the
+        work is cancelled (its engine requests aborted) if the client leaves first."""
         try:
-            return await until_disconnected(request, self.collect(submissions, timer))
+            return await until_disconnected(request, work)
         except EngineDeadError as error:
             raise APIError(503, str(error)) from error
         except RequestFailed as error:
