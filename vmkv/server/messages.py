@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic_core import to_jsonable_python
 
 from vmkv.engine import RequestRejected
 from vmkv.server.chat import ChatRun, ChatServing
@@ -37,7 +36,7 @@ from vmkv.server.reasoning import ReasoningStream, split_reasoning
 from vmkv.server.refusals import Refusal, check_supported
 from vmkv.server.responses import step_events
 from vmkv.server.serving import Choice, failure_status, new_choices, usage
-from vmkv.server.streaming import EventStreamResponse
+from vmkv.server.streaming import EventStreamResponse, typed_event
 from vmkv.server.tool_calls import answer_calls, call_stream
 
 # the chat request's fields an error may name -> this request's field they come from
@@ -192,8 +191,7 @@ class MessageStream:
     called: bool = False
 
     def event(self, kind: str, **fields: object) -> str:
-        data = to_jsonable_python({"type": kind, **fields})
-        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+        return typed_event(kind, fields)
 
     def delta(self, **delta: object) -> str:
         return self.event("content_block_delta", index=self.blocks - 1, delta=delta)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -19,7 +18,6 @@ from typing import Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic_core import to_jsonable_python
 
 from vmkv.engine import RequestRejected
 from vmkv.server.chat import ChatRun, ChatServing
@@ -57,7 +55,7 @@ from vmkv.server.responses_protocol import (
     ResponseUsage,
 )
 from vmkv.server.serving import Choice, new_choices, usage
-from vmkv.server.streaming import EventStreamResponse
+from vmkv.server.streaming import EventStreamResponse, typed_event
 from vmkv.server.tool_calls import ForcedCallStream, answer_calls, call_stream, forces_calls
 from vmkv.server.tool_parser import HermesStream
 
@@ -425,8 +423,7 @@ class ResponseStream:
     sequence: itertools.count = field(default_factory=itertools.count)
 
     def event(self, kind: str, **fields: object) -> str:
-        data = {"type": kind, "sequence_number": next(self.sequence), **fields}
-        return f"event: {kind}\ndata: {json.dumps(to_jsonable_python(data, by_alias=True))}\n\n"
+        return typed_event(kind, {"sequence_number": next(self.sequence), **fields})
 
     def where(self) -> dict[str, object]:
         """Where the last item's content is: the open item, or the one finishing, is the last."""

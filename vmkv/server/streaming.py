@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -29,6 +30,13 @@ def sse_event(payload: BaseModel | dict) -> str:
     """One event; a JSON body never holds a raw newline, so one `data:` line always suffices."""
     body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {body}\n\n"
+
+
+def typed_event(kind: str, fields: dict[str, object]) -> str:
+    """One event of an API that names its events (Responses, Anthropic's Messages): the type on
+    an `event:` line, and the fields, led by the same type, as JSON."""
+    body = json.dumps(to_jsonable_python({"type": kind, **fields}, by_alias=True))
+    return f"event: {kind}\ndata: {body}\n\n"
 
 
 class EventStreamResponse(StreamingResponse):
