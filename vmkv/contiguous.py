@@ -195,6 +195,7 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
 
     def close(self) -> None:
         self.seqs.clear()
+        self.kv = torch.empty(0, dtype=self.shape.dtype, device=self.device)
 
     # -------------------------------------------------------------- helpers
     def _take_slot(self) -> int:
