@@ -137,6 +137,23 @@ def test_a_reset_forgets_every_replicas_prefixes_and_where_they_went(replicas: D
     assert sum(s.prefix_cache_hits for s in replicas.replica_stats()) == hits
 
 
+def test_every_replica_sleeps_and_wakes_together(replicas: DataParallelLLM) -> None:
+    prompt = list(range(200, 230))
+    expected = asyncio.run(run(replicas, prompt))
+
+    async def scenario() -> None:
+        await replicas.control("sleep", 1, "abort")
+        assert await replicas.control("state") == {"paused": True, "asleep": ["kv_cache"]}
+        assert all(s.memory.allocated_bytes == 0 for s in replicas.replica_stats())
+        with pytest.raises(ValueError, match="level must be"):
+            await replicas.control("sleep", 4, "abort")
+        assert await replicas.control("wake_up", ["kv_cache"]) is True
+        assert await replicas.control("state") == {"paused": False, "asleep": []}
+
+    asyncio.run(scenario())
+    assert asyncio.run(run(replicas, prompt)) == expected
+
+
 def test_replicas_serve_http(replicas: DataParallelLLM) -> None:
     with LiveServer(build_app(EngineClient(replicas), MODEL)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

@@ -322,3 +322,32 @@ def test_sigterm_drains_finishes_what_it_can_and_ends_the_rest_cleanly(tiny_mode
     assert long_events[-1] == "[DONE]"  # cut after the grace period, with a reason
     assert json.loads(long_events[-2])["error"]["code"] == 503
     wait_until(lambda: not alive(engine_pid), 15, "the engine process outlived the server")
+
+
+def resident_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("VmRSS:")).split()[1])
+
+
+def test_a_sleeping_server_gives_its_kv_memory_back_and_stops_cleanly_with_requests_held(
+    tiny_model_dir: Path,
+) -> None:
+    flags = ("--enable-sleep-mode", "--kv-mode", "paged", "--kv-budget-mib", "64")
+    flags += ("--shutdown-grace-seconds", "1")
+    with vmkv_serve(tiny_model_dir, *flags) as (process, url), httpx.Client(base_url=url, timeout=30) as http:
+        [engine_pid] = children(process.pid)
+        before = resident_kib(engine_pid)  # the paged pool is zeroed at start: resident
+        assert http.post("/sleep", params={"level": 1}).json() == {"status": "sleeping", "level": 1}
+        assert before - resident_kib(engine_pid) > 48 * 1024  # most of the 64 MiB pool went back
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        held: list[httpx.Response] = []
+        body = {"model": model, "prompt": "Hello", "max_tokens": 4}
+        waiting = threading.Thread(target=lambda: held.append(http.post("/v1/completions", json=body)))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive()  # held while the engine sleeps
+        process.send_signal(signal.SIGTERM)
+        waiting.join(30)
+        assert process.wait(timeout=30) == 0
+    assert held[0].status_code == 503  # the grace period ended with it still held: a clear error
+    wait_until(lambda: not alive(engine_pid), 15, "the engine process outlived the server")

@@ -16,6 +16,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -27,6 +28,15 @@ from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def _answer(done: concurrent.futures.Future, result: object, error: BaseException | None) -> None:
+    """A control call's answer into its future, unless _die failed it first."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
 
 
 class EngineDead(RuntimeError):
@@ -59,7 +69,7 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
-        self._calls: set[concurrent.futures.Future] = set()  # resets waiting for the engine thread
+        self._calls: set[concurrent.futures.Future] = set()  # control calls awaiting their answer
         self._stats = self.engine.stats()  # refreshed by the engine thread; never half a step
         self._closed = False
         self.dead_reason: str | None = None  # why the engine stopped or is stopping; None while it runs
@@ -134,12 +144,18 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix, between two steps; returns the entries forgotten. Raises
         EngineDead if the engine has stopped or stops first."""
-        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        return await self.control("reset_prefix_cache")  # type: ignore[return-value]
+
+    async def control(self, name: str, *args: object) -> object:
+        """An operator's call between two steps (LLMEngine.control: pause, sleep, wake_up, resume,
+        reset_prefix_cache, state); returns its result or raises its error (ValueError for bad
+        arguments), EngineDead if the engine has stopped or stops before it answers."""
+        done: concurrent.futures.Future[object] = concurrent.futures.Future()
         with self._streams_lock:
             if self.dead_reason is not None:
                 raise EngineDead(self.dead_reason)
             self._calls.add(done)
-        self._inbox.put(("reset", done))
+        self._inbox.put(("control", name, args, done))
         self._wake.set()
         try:
             return await asyncio.wrap_future(done)
@@ -178,7 +194,8 @@ class AsyncLLM:
     def _loop(self) -> None:
         while self.dead_reason is None:
             self._drain_inbox()
-            if not self.engine.has_unfinished_requests():
+            self.engine.settle()
+            if not self.engine.has_work():
                 self._stats = self.engine.stats()
                 self._wake.wait()
                 self._wake.clear()
@@ -215,9 +232,10 @@ class AsyncLLM:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if message[0] == "reset":
-                with contextlib.suppress(concurrent.futures.InvalidStateError):  # failed by _die
-                    message[1].set_result(self.engine.reset_prefix_cache())
+            if message[0] == "control":
+                _, name, args, done = message
+                for out in self.engine.control(name, args, partial(_answer, done)):
+                    self._deliver(out)
             elif message[0] == "add":
                 _, request_id, prompt, params, cache_salt, priority = message
                 try:

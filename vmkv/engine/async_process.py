@@ -39,11 +39,11 @@ from vmkv.engine.ipc import (
     Abort,
     AddRequest,
     Command,
+    Control,
+    ControlAnswer,
     EngineFailed,
-    PrefixCacheReset,
     Ready,
     RequestUpdate,
-    ResetPrefixCache,
     Shutdown,
     StartFailed,
     StopSample,
@@ -108,7 +108,7 @@ class AsyncProcessLLM:
         os.close(child_fd)
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams, _calls, _dead_reason and the commands socket
-        self._calls: dict[str, concurrent.futures.Future] = {}  # resets awaiting the engine's answer
+        self._calls: dict[str, concurrent.futures.Future] = {}  # control calls awaiting their answer
         self._dead_reason: str | None = None
         self._closed = False
         self._reader: threading.Thread | None = None
@@ -183,13 +183,18 @@ class AsyncProcessLLM:
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix in the engine process; returns the entries forgotten.
         Raises EngineDead if the engine has stopped or stops before it answers."""
+        return await self.control("reset_prefix_cache")  # type: ignore[return-value]
+
+    async def control(self, name: str, *args: object) -> object:
+        """As AsyncLLM.control, in the engine process."""
         call_id, done = uuid.uuid4().hex, concurrent.futures.Future()
         with self._lock:
             if (reason := self.dead_reason) is not None:
                 raise EngineDead(reason)
             self._calls[call_id] = done
-            self._send_locked(ResetPrefixCache(call_id))
-        return await asyncio.wrap_future(done)
+            self._send_locked(Control(call_id, name, list(args)))
+        answer = await asyncio.wrap_future(done)
+        return answer.value()
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if still read) gets a final output with finish_reason abort."""
@@ -239,11 +244,11 @@ class AsyncProcessLLM:
                 if isinstance(message, EngineFailed):
                     self._die(message.reason)
                     continue
-                if isinstance(message, PrefixCacheReset):
+                if isinstance(message, ControlAnswer):
                     with self._lock:
                         done = self._calls.pop(message.call_id, None)
                     if done is not None:
-                        done.set_result(message.forgotten)
+                        done.set_result(message)
                     continue
                 self._stats = message.stats
                 self._dispatch(message.updates)

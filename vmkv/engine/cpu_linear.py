@@ -168,3 +168,19 @@ def packed_logits(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A packed Linear's output as fp32 (the vocabulary projection): the values `module(x)`
     gives, rounded to its half precision, without a half-precision tensor in between."""
     return torch.ops.vmkv.packed_logits.default(x, module.weight, module.packed_weight, module.bias)
+
+
+def packed_slots(model: torch.nn.Module) -> list[tuple[object, str]]:
+    """Where the packed weights pack_linears made are held, in module order: (holder, attribute)
+    pairs, for the engine's sleep mode to let go of and refill them (sleep.py)."""
+    slots: list[tuple[object, str]] = []
+    shared_seen: set[int] = set()
+    for module in model.modules():
+        if "packed_weight" in module.__dict__:
+            slots.append((module, "packed_weight"))
+        forward = module.__dict__.get("forward")
+        shared = getattr(getattr(forward, "func", None), "__self__", None)
+        if isinstance(shared, _SharedInput) and id(shared) not in shared_seen:
+            shared_seen.add(id(shared))
+            slots += [(shared, "weight"), (shared, "packed"), (shared, "bias")]
+    return slots

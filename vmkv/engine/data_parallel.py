@@ -147,9 +147,21 @@ class DataParallelLLM:
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix in every replica, and where the router sent them."""
-        forgotten = await asyncio.gather(*(replica.llm.reset_prefix_cache() for replica in self._replicas))
-        self.router.forget()
-        return sum(forgotten)
+        return await self.control("reset_prefix_cache")  # type: ignore[return-value]
+
+    async def control(self, name: str, *args: object) -> object:
+        """The call in every replica at once; their answers combined: entries forgotten summed,
+        awake only when all are, paused when any is, asleep what any replica gave back."""
+        results = await asyncio.gather(*(replica.llm.control(name, *args) for replica in self._replicas))
+        if name == "reset_prefix_cache":
+            self.router.forget()
+            return sum(results)
+        if name == "wake_up":
+            return all(results)
+        if name == "state":
+            asleep = sorted({tag for state in results for tag in state["asleep"]})
+            return {"paused": any(state["paused"] for state in results), "asleep": asleep}
+        return results[0]
 
     async def generate(
         self,
@@ -213,9 +225,10 @@ class DataParallelLLM:
 
 
 def sum_stats(stats: list[EngineStats]) -> EngineStats:
-    """One EngineStats for several engines: counts and bytes summed, kv_usage averaged."""
+    """One EngineStats for several engines: counts and bytes summed, kv_usage averaged, the
+    pause and sleep states the deepest any replica is in."""
     summed = {
-        f.name: sum(getattr(s, f.name) for s in stats)
+        f.name: (max if f.name in ("paused", "sleep_level") else sum)(getattr(s, f.name) for s in stats)
         for f in fields(EngineStats)
         if f.name not in ("kv_usage", "memory", "kv_stats")
     }

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from functools import partial
 
 import msgspec
 import zmq
@@ -27,11 +28,11 @@ from vmkv.engine.ipc import (
     Abort,
     AddRequest,
     Command,
+    Control,
+    ControlAnswer,
     EngineFailed,
-    PrefixCacheReset,
     Ready,
     RequestUpdate,
-    ResetPrefixCache,
     SampleUpdate,
     Shutdown,
     StartFailed,
@@ -97,10 +98,11 @@ class EngineCore:
     def run(self) -> None:
         try:
             while self.running:
-                busy = self.engine.has_unfinished_requests()
+                busy = self.engine.has_work()
                 outputs = self.receive(wait=not busy)
-                if self.running and self.engine.has_unfinished_requests():
+                if self.running and self.engine.has_work():
                     outputs += self.step()
+                self.engine.settle()
                 self.send(outputs)
         except TensorParallelError as error:  # a rank is gone: this engine can never step again
             self.outputs.send(encoder.encode(EngineFailed(str(error))))
@@ -141,10 +143,13 @@ class EngineCore:
             case Shutdown():
                 self.running = False
                 out = None
-            case ResetPrefixCache(call_id):
-                self.outputs.send(encoder.encode(PrefixCacheReset(call_id, engine.reset_prefix_cache())))
-                out = None
+            case Control(call_id, name, args):
+                return engine.control(name, args, partial(self.answer, call_id))
         return [] if out is None else [out]
+
+    def answer(self, call_id: str, result: object, error: BaseException | None) -> None:
+        """A control call's answer, sent at once (before the outputs of the commands' batch)."""
+        self.outputs.send(encoder.encode(ControlAnswer.of(call_id, result, error)))
 
     def step(self) -> list[RequestOutput]:
         try:

@@ -1,4 +1,5 @@
-"""Errors a caller can act on: a request the engine will never be able to serve."""
+"""Errors a caller can act on: a request the engine will never be able to serve, an operator's
+call its state refuses."""
 
 from __future__ import annotations
 
@@ -10,3 +11,8 @@ class RequestRejected(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param  # the request field to blame, if one is (an HTTP 400 names it)
+
+
+class ControlRefused(RuntimeError):
+    """An operator's call the engine's state refuses (resume while memory is asleep, say): the
+    call changed nothing; another call first (wake_up) makes it possible."""

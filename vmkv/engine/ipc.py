@@ -14,11 +14,12 @@ import os
 import select
 import time
 import uuid
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import msgspec
 
 from vmkv.engine.engine_info import EngineInfo
+from vmkv.engine.errors import ControlRefused
 from vmkv.engine.llm_engine import EngineStats
 from vmkv.engine.outputs import PromptLogprob
 from vmkv.engine.prompt_embeds import EmbedsPayload
@@ -49,13 +50,15 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
-    """Forget every cached prefix; answered by PrefixCacheReset with the same call id."""
+class Control(msgspec.Struct, tag=True, array_like=True):
+    """An operator's call (LLMEngine.control); answered by ControlAnswer with the same call id."""
 
     call_id: str
+    name: str
+    args: list[Any]
 
 
-Command = AddRequest | Abort | StopSample | Shutdown | ResetPrefixCache
+Command = AddRequest | Abort | StopSample | Shutdown | Control
 
 
 class SampleUpdate(msgspec.Struct, array_like=True):
@@ -90,12 +93,31 @@ class EngineFailed(msgspec.Struct, tag=True, array_like=True):
     reason: str
 
 
-class PrefixCacheReset(msgspec.Struct, tag=True, array_like=True):
+class ControlAnswer(msgspec.Struct, tag=True, array_like=True):
     call_id: str
-    forgotten: int  # cache entries (blocks, chunks)
+    result: Any
+    error: str | None = None
+    error_kind: str = ""  # "invalid" (ValueError), "refused" (ControlRefused) or "failed"
+
+    @classmethod
+    def of(cls, call_id: str, result: object, error: BaseException | None) -> ControlAnswer:
+        if error is None:
+            return cls(call_id, result)
+        kind = "invalid" if isinstance(error, ValueError) else "failed"
+        return cls(call_id, None, str(error), "refused" if isinstance(error, ControlRefused) else kind)
+
+    def value(self) -> object:
+        """The result, or the error raised as its kind."""
+        if self.error is None:
+            return self.result
+        if self.error_kind == "invalid":
+            raise ValueError(self.error)
+        if self.error_kind == "refused":
+            raise ControlRefused(self.error)
+        raise RuntimeError(f"the engine's call failed: {self.error}")
 
 
-Output = StepOutputs | EngineFailed | PrefixCacheReset
+Output = StepOutputs | EngineFailed | ControlAnswer
 
 
 class Ready(msgspec.Struct, tag=True):

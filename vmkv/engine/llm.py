@@ -41,6 +41,8 @@ class LLM:
         leaves the engine untouched. Cached prefixes are shared only among requests with the
         same cache_salt. `priority`, one per prompt, orders them under the priority policy.
         """
+        if self.engine.paused is not None:
+            raise RuntimeError("the engine is asleep: call wake_up() first")
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -117,6 +119,25 @@ class LLM:
         """Forget every cached prefix, so the next prompts start cold; returns the entries
         (blocks, chunks) forgotten."""
         return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Give memory back until wake_up() (vLLM's LLM.sleep; levels in vmkv/engine/sleep.py):
+        1 the KV cache's (and an accelerator's weights, moved to host memory), 2 the weights' too,
+        reloaded from the checkpoint at wake-up. Cached prefixes are forgotten."""
+        self._control("sleep", level, "abort")
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> bool:
+        """Restore what sleep() gave back, all of it or what the tags name ("weights",
+        "kv_cache"); returns whether the engine runs again."""
+        return self._control("wake_up", None if tags is None else list(tags))
+
+    def _control(self, name: str, *args: object) -> object:
+        answers: list[tuple[object, BaseException | None]] = []
+        self.engine.control(name, args, lambda result, error: answers.append((result, error)))
+        result, error = answers[0]  # nothing runs between generate calls: answered at once
+        if error is not None:
+            raise error
+        return result
 
     def close(self) -> None:
         self.engine.close()

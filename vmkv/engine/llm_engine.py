@@ -7,6 +7,7 @@ background thread.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import time
 import uuid
@@ -21,7 +22,7 @@ from vmkv.engine.beam_search import BeamSearch, Candidate, Hypothesis
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.engine_info import EngineInfo
-from vmkv.engine.errors import RequestRejected
+from vmkv.engine.errors import ControlRefused, RequestRejected
 from vmkv.engine.kv_factory import build_kv_cache
 from vmkv.engine.model_runner import ModelRunner
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -30,12 +31,22 @@ from vmkv.engine.sampler import Sampler, SampleRow
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.scheduler import ScheduledSeq, Scheduler
 from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
+from vmkv.engine.sleep import (
+    PauseMode,
+    ReleasedWeights,
+    check_pause_mode,
+    check_sleep_level,
+    check_wake_tags,
+    release_weights,
+    restore_weights,
+)
 from vmkv.engine.stop_strings import cut_at_stop, find_stop
 from vmkv.engine.structured_output import GrammarCompiler
 from vmkv.heap import HeapTrimmer, keep_step_buffers
 from vmkv.kv_cache import KVMemory, KVStats
 from vmkv.model.store import load_tokenizer, resolve_model
 
+Answer = Callable[[object, BaseException | None], None]  # a control call's (result, error)
 # a request whose step's forward raised is retried (recomputed) up to this many times in a row,
 # then fails
 FORWARD_RETRIES = 1
@@ -76,6 +87,8 @@ class EngineStats:
     prefix_cache_hits: int
     memory: KVMemory
     kv_stats: KVStats
+    paused: int = 0  # 1 while paused or asleep (sleep.py)
+    sleep_level: int = 0  # 1: the KV cache's memory given back, 2: the weights' too
 
 
 class LLMEngine:
@@ -140,6 +153,14 @@ class LLMEngine:
         keep_step_buffers()  # a step's buffers stay in the heap for the next step (vmkv/heap.py)
         self._heap = HeapTrimmer()  # what the steps freed goes back to the OS
         self._kv_report: tuple[tuple[int, ...], float, KVReport] | None = None  # batch, time, figures
+        # pausing and sleeping (sleep.py)
+        self.paused: PauseMode | None = None
+        self.asleep: set[str] = set()  # what sleep gave back: "kv_cache", "weights"
+        self._held: list[SequenceGroup] = []  # added while paused: they start at resume()
+        self._released_weights: ReleasedWeights | None = None
+        self._released_kv: KVReport | None = None  # the figures reported while the KV is given back
+        self._closed_prefix_counts = (0, 0)  # prefix-cache queries and hits of caches sleep closed
+        self._drain_waiters: list[tuple[Callable[[], object], Answer]] = []  # control() in wait mode
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -189,11 +210,17 @@ class LLMEngine:
         self._next_arrival += 1
         self._new_seq(group, list(prompt_ids), index=0)
         self._groups[request_id] = group
-        if params.structured is not None:
+        if self.paused is not None:
+            self._held.append(group)
+        else:
+            self._submit(group)
+        return group
+
+    def _submit(self, group: SequenceGroup) -> None:
+        if group.params.structured is not None:
             self.grammars.submit(group)
         else:
             self.scheduler.add(group)
-        return group
 
     def validate(
         self, prompt: str | SequenceABC[int] | torch.Tensor, params: SamplingParams
@@ -207,6 +234,8 @@ class LLMEngine:
         group = self._groups.get(request_id)
         if group is None:
             return None
+        if group in self._held:
+            self._held.remove(group)
         self.grammars.discard(group)
         self.scheduler.finish(group, FinishReason.ABORT)
         return self._retire(group)
@@ -235,10 +264,163 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (KVCache.reset_prefix_cache); returns the entries forgotten."""
+        if "kv_cache" in self.asleep:
+            return 0  # given back: nothing is cached
         return self.cache.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
+        """Whether requests are in the scheduler or compiling their grammar (held ones are not)."""
         return self.scheduler.has_unfinished() or self.grammars.num_pending > 0
+
+    def has_work(self) -> bool:
+        """Whether a step would advance anything: requests are unfinished and not kept paused."""
+        return self.paused != "keep" and self.has_unfinished_requests()
+
+    # ------------------------------------------------------ pause and sleep
+    def pause(self, mode: PauseMode = "abort") -> list[RequestOutput]:
+        """Admit nothing new (sleep.py): requests added from now on are held until resume().
+        In-flight ones are aborted (their final outputs returned), run to their end ("wait")
+        or kept, frozen ("keep"). Pausing again changes the mode."""
+        self.paused = check_pause_mode(mode)
+        if mode != "abort":
+            return []
+        outputs = []
+        for request_id in list(self._groups):
+            out = self.abort_request(request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    @property
+    def drained(self) -> bool:
+        """Paused with nothing left running: at once in keep mode, whose requests wait frozen."""
+        return self.paused is not None and (self.paused == "keep" or not self.has_unfinished_requests())
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake (or paused only), 1 while memory is given back, 2 while the weights are dropped."""
+        if "weights" in self.asleep and self._released_weights.host_copies is None:
+            return 2
+        return int(bool(self.asleep))
+
+    def sleep(self, level: int = 1) -> None:
+        """Give memory back (sleep.py's levels); the engine must be drained. A kept request
+        whose KV goes recomputes it once the engine runs again."""
+        level = self._check_sleep(level)
+        if not self.drained:
+            raise ControlRefused("the engine must be paused and drained before it sleeps")
+        if level >= 1 and "kv_cache" not in self.asleep:
+            self.scheduler.recompute_all()
+            self._release_kv()
+        offload = level == 1 and torch.device(self.config.device).type != "cpu"  # CPU: host memory already
+        if (level == 2 or offload) and "weights" not in self.asleep:
+            self._released_weights = release_weights(self.runner.model, offload)
+            self.asleep.add("weights")
+            # compiled, some of the old tensors are held in reference cycles: 266 MiB of the
+            # default model's bf16 weights stayed resident until a collection
+            gc.collect()
+        self._heap.trim()
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Restore what the tags name ("weights", "kv_cache"; None: all) of what sleep gave back;
+        once nothing is asleep, resume. Returns whether the engine runs again."""
+        for tag in check_wake_tags(tags):
+            if tag in self.asleep and tag == "weights":
+                self._restore_weights()
+            elif tag in self.asleep:
+                self._restore_kv()
+        if not self.asleep:
+            self.resume()
+        return not self.asleep
+
+    def resume(self) -> None:
+        """Schedule again, the held requests after those already queued. Raises RuntimeError
+        while memory is asleep (wake_up first)."""
+        if self.asleep:
+            raise ControlRefused(f"the engine is asleep ({', '.join(sorted(self.asleep))}): wake it up first")
+        self.paused = None
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for _, answer in waiters:
+            answer(None, ControlRefused("the engine resumed before its requests in flight were done"))
+        held, self._held = self._held, []
+        for group in held:
+            self._submit(group)
+
+    def control(self, name: str, args: SequenceABC[object], answer: Answer) -> list[RequestOutput]:
+        """Run an operator's call between steps (pause, sleep, wake_up, resume, reset_prefix_cache,
+        state) and answer it with (result, None) or (None, error): at once, or for pause and sleep
+        in wait mode once the requests in flight are done (the loop driving the engine calls
+        settle() after every step and every batch of commands). Returns the outputs the call
+        ended (aborted requests)."""
+        outputs: list[RequestOutput] = []
+        try:
+            match name, *args:
+                case "pause", mode:
+                    outputs = self.pause(mode)
+                    self._drain_waiters.append((lambda: None, answer))
+                case "sleep", level, mode:
+                    level, mode = self._check_sleep(level), check_pause_mode(mode)
+                    outputs = self.pause(mode)
+                    self._drain_waiters.append((lambda: self.sleep(level), answer))
+                case "wake_up", tags:
+                    answer(self.wake_up(tags), None)
+                case ("resume",):
+                    answer(self.resume(), None)
+                case ("reset_prefix_cache",):
+                    answer(self.reset_prefix_cache(), None)
+                case ("state",):
+                    answer({"paused": self.paused is not None, "asleep": sorted(self.asleep)}, None)
+                case _:
+                    raise ValueError(f"unknown control call {name!r} with {len(args)} arguments")
+        except Exception as error:  # noqa: BLE001 - the caller gets it: ValueError, ControlRefused, a failure
+            answer(None, error)
+        self.settle()
+        return outputs
+
+    def settle(self) -> None:
+        """Answer the calls waiting for the engine to drain, if it has (control)."""
+        if not self._drain_waiters or not self.drained:
+            return
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for work, answer in waiters:
+            try:
+                result = work()
+            except Exception as error:  # noqa: BLE001 - the caller gets it
+                answer(None, error)
+            else:
+                answer(result, None)
+
+    def _check_sleep(self, level: object) -> int:
+        level = check_sleep_level(level)
+        if level and self.tp is not None:
+            raise ValueError("sleep levels 1 and 2 are not supported with tensor parallelism")
+        return level
+
+    def _release_kv(self) -> None:
+        stats = self.cache.stats()
+        queries, hits = self._closed_prefix_counts
+        self._closed_prefix_counts = (queries + stats.prefix_cache_queries, hits + stats.prefix_cache_hits)
+        # the figures while asleep: nothing held, no room, the layout's counts as they stood
+        self._released_kv = KVReport(0.0, 0, KVMemory(0, 0, 0), stats)
+        self.cache.close()
+        self.asleep.add("kv_cache")
+
+    def _restore_kv(self) -> None:
+        build = build_kv_cache if self.tp is None else self.tp.build_cache
+        self.cache = build(self.config, self.runner.kv_shape, str(self.model_path))
+        self.scheduler.cache = self.cache
+        self._released_kv = None
+        self._kv_report = None
+        self.asleep.discard("kv_cache")
+
+    def _restore_weights(self) -> None:
+        released = self._released_weights
+        if released.host_copies is not None:
+            restore_weights(released, self.runner.device)
+        else:
+            self.runner.reload_weights(released)
+        self._released_weights = None
+        self.asleep.discard("weights")
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -329,17 +511,22 @@ class LLMEngine:
         sched = self.scheduler
         batch = (len(sched.running), len(sched.waiting), len(sched.swapped), sched.num_preemptions)
         now = time.monotonic()
-        if self._kv_report is None or self._kv_report[0] != batch or now - self._kv_report[1] > kv_max_age:
+        report = self._kv_report
+        stale = report is None or report[0] != batch or now - report[1] > kv_max_age
+        if stale and self._released_kv is None:
             cache = self.cache
             self._kv_report = (
                 batch,
                 now,
                 KVReport(cache.usage(), cache.free_capacity(), cache.memory(), cache.stats()),
             )
-        kv = self._kv_report[2]
+        kv = self._released_kv or self._kv_report[2]
+        queries, hits = self._closed_prefix_counts
+        if self._released_kv is None:  # those of the cache in use; a released one's are counted
+            queries, hits = queries + kv.stats.prefix_cache_queries, hits + kv.stats.prefix_cache_hits
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + self.grammars.num_pending,
+            num_waiting=len(self.scheduler.waiting) + self.grammars.num_pending + len(self._held),
             num_swapped=len(self.scheduler.swapped),
             num_running_seqs=self.scheduler.num_running_seqs,
             peak_running_seqs=self.peak_running_seqs,
@@ -349,10 +536,12 @@ class LLMEngine:
             num_steps=self.num_steps,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
-            prefix_cache_queries=kv.stats.prefix_cache_queries,
-            prefix_cache_hits=kv.stats.prefix_cache_hits,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
             memory=kv.memory,
             kv_stats=kv.stats,
+            paused=int(self.paused is not None),
+            sleep_level=self.sleep_level,
         )
 
     def check_health(self) -> None:

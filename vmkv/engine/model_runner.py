@@ -22,6 +22,7 @@ from vmkv.engine.config import EngineConfig
 from vmkv.engine.cpu_linear import linear_packing, pack_linears, packed_logits
 from vmkv.engine.outputs import PromptLogprob
 from vmkv.engine.scheduler import ScheduledSeq
+from vmkv.engine.sleep import ReleasedWeights, refill_weights
 from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
 from vmkv.model.store import load_model
 
@@ -35,20 +36,8 @@ class ModelRunner:
     ) -> None:
         """shard, if given, cuts the loaded model down to this rank's part (tensor parallelism)."""
         self.device = torch.device(config.device)
-        self.model = load_model(model_path, dtype=config.torch_dtype, attn_implementation=ATTENTION_NAME)
-        window = getattr(self.model.config, "sliding_window", None)
-        if window is not None and window < config.max_model_len:
-            # every layout attends over the whole context; past the window that would be wrong
-            raise ValueError(
-                f"{model_path} attends over a sliding window of {window} tokens, which vmkv does not "
-                f"implement; set max_model_len <= {window} (it is {config.max_model_len})"
-            )
-        self.model.to(self.device)
-        if shard is not None:  # before the linears are converted or packed: they see the rank's part
-            shard(self.model)
-        self.packing = linear_packing(config)
-        if self.packing is not None:
-            pack_linears(self.model, self.packing)
+        self.config, self.model_path = config, model_path
+        self.model, self.packing = prepare_model(config, model_path, shard)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         hf = self.model.config
@@ -66,6 +55,13 @@ class ModelRunner:
         self.compiled = compiled is not None
         self._forward = self.decoder if compiled is None else compiled
         self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
+
+    def reload_weights(self, released: ReleasedWeights) -> None:
+        """Read weights sleep.release_weights let go of from the checkpoint, prepared as at start.
+        The model's modules and Parameter objects stay, so a compiled decoder is not compiled
+        again."""
+        source, _ = prepare_model(self.config, self.model_path)
+        refill_weights(released, source)
 
     @property
     def fp32_gemm(self) -> bool:
@@ -179,6 +175,28 @@ class ModelRunner:
         if bias is not None:
             out += bias
         return out.to(hidden.dtype).float()  # a half-precision model rounds its logits, as the model would
+
+
+def prepare_model(
+    config: EngineConfig, model_path: str, shard: Callable[[torch.nn.Module], None] | None = None
+) -> tuple[torch.nn.Module, str | None]:
+    """The checkpoint's model as the runner runs it: on its device, cut down to this rank's part
+    (shard, tensor parallelism), its half-precision linears packed; and the packing used."""
+    model = load_model(model_path, dtype=config.torch_dtype, attn_implementation=ATTENTION_NAME)
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and window < config.max_model_len:
+        # every layout attends over the whole context; past the window that would be wrong
+        raise ValueError(
+            f"{model_path} attends over a sliding window of {window} tokens, which vmkv does not "
+            f"implement; set max_model_len <= {window} (it is {config.max_model_len})"
+        )
+    model.to(config.device)
+    if shard is not None:  # before the linears are converted or packed: they see the rank's part
+        shard(model)
+    packing = linear_packing(config)
+    if packing is not None:
+        pack_linears(model, packing)
+    return model, packing
 
 
 def linear_in_slices(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

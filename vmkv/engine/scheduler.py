@@ -101,6 +101,15 @@ class Scheduler:
         self._free_all(group)
         group.status = RequestStatus.FINISHED
 
+    def recompute_all(self) -> None:
+        """Free every request's KV (swapped-out copies too) and queue it to recompute, as a
+        preemption by recompute would: before the KV cache's memory goes (an engine sleeping)."""
+        for group in self.running + self.swapped:
+            self._free_all(group)
+            self.requeue(group)
+        self.running.clear()
+        self.swapped.clear()
+
     def release_finished(self, group: SequenceGroup) -> None:
         """After a step: free finished samples' KV and retire the group once all are done."""
         self._free_finished(group)

@@ -46,6 +46,7 @@ from vmkv.server.reasoning import REASONING_PARSERS
 from vmkv.server.response_store import DEFAULT_STORE_MIB, ResponseStore
 from vmkv.server.responses import ResponsesServing
 from vmkv.server.responses_protocol import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
+from vmkv.server.sleep_routes import sleep_router
 from vmkv.server.tool_calls import template_tools
 from vmkv.server.tool_parser import TOOL_CALL_PARSERS
 
@@ -82,6 +83,7 @@ def build_app(
     request_id_headers: bool = False,
     stream_interval: int = 1,
     log_requests: bool = False,
+    enable_sleep_mode: bool = False,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -97,7 +99,8 @@ def build_app(
     `embedding_pooling` ("last" or "mean") is how /v1/embeddings pools a prompt's hidden states.
     With `request_id_headers`, every answer carries an X-Request-Id header. A stream's tokens go
     out in chunks of at least `stream_interval` (a request may ask for more). With
-    `log_requests`, every finished request logs one line (its id, tokens, latencies).
+    `log_requests`, every finished request logs one line (its id, tokens, latencies). With
+    `enable_sleep_mode`, /pause, /resume, /sleep, /wake_up and their /is_* queries are served.
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
@@ -223,7 +226,7 @@ def build_app(
     async def reset_prefix_cache() -> ResetPrefixCacheResponse:
         """Forget every cached prompt prefix, so the next requests start cold (benchmarks)."""
         try:
-            forgotten = await engine.reset_prefix_cache()
+            forgotten = await engine.control("reset_prefix_cache")
         except EngineDeadError as error:
             raise APIError(503, str(error)) from error
         return ResetPrefixCacheResponse(forgotten=forgotten)
@@ -281,4 +284,6 @@ def build_app(
         return VersionResponse(version=app.version)
 
     app.include_router(api)
+    if enable_sleep_mode:
+        app.include_router(sleep_router(engine))
     return app

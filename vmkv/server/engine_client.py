@@ -148,10 +148,12 @@ class EngineClient:
             await stream.aclose()
         raise RequestFailed(f"request {request_id} ended without its embedding")
 
-    async def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix; returns the entries (blocks, chunks) forgotten."""
+    async def control(self, name: str, *args: object) -> object:
+        """An operator's call between engine steps (LLMEngine.control): reset_prefix_cache
+        (returns the entries forgotten), pause, resume, sleep, wake_up, state. Raises ValueError
+        for bad arguments, RuntimeError for a call the engine's state refuses."""
         try:
-            return await self.llm.reset_prefix_cache()
+            return await self.llm.control(name, *args)
         except EngineDead as error:
             raise _engine_dead(str(error)) from error
 

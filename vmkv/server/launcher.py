@@ -146,6 +146,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: what the checkpoint's sentence-transformers pooling config says, else last)",
     )
     server.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="serve /pause, /resume, /sleep and /wake_up (and /is_paused, /is_sleeping): an operator "
+        "can stop the engine and give its KV and weights memory back (docs/server.md)",
+    )
+    server.add_argument(
         "--enable-prompt-embeds",
         action="store_true",
         help="let completions give prompts as embeddings (prompt_embeds: base64 of torch.save'd "
@@ -294,6 +300,7 @@ def serve_main(args: argparse.Namespace) -> None:
             request_id_headers=args.enable_request_id_headers,
             stream_interval=args.stream_interval,
             log_requests=args.enable_log_requests,
+            enable_sleep_mode=args.enable_sleep_mode,
         )
     except ValueError as error:
         engine.shutdown()

@@ -227,6 +227,12 @@ def engine_samples(engine: EngineStats) -> tuple[dict[str, Sample], dict[str, Sa
         "kv_cache_allocated_bytes": ("gauge", "KV physical memory held.", memory.allocated_bytes),
         "kv_cache_used_bytes": ("gauge", "KV bytes of stored tokens.", memory.used_bytes),
         "kv_cache_fragmentation_bytes": ("gauge", "KV allocated minus used.", memory.fragmentation_bytes),
+        "engine_paused": ("gauge", "1 while the engine is paused or asleep.", engine.paused),
+        "engine_sleep_level": (
+            "gauge",
+            "0 awake, 1 KV memory given back, 2 weights dropped too.",
+            engine.sleep_level,
+        ),
     }
     own.update(
         (f"kv_{name}", ("gauge", f"KV layout {name.replace('units', kv.unit + 's')}.", value))
