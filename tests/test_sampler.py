@@ -37,6 +37,19 @@ def test_greedy_ties_take_the_first_maximum_as_argmax_does() -> None:
     assert out.token_ids[0] == 7 and out.token_ids[3] == 11 and out.token_ids[5] == 0
 
 
+def test_a_logit_overflowed_to_infinity_takes_the_mass_rather_than_making_nans() -> None:
+    """What a tiny temperature or repetition penalty does to a large logit: +inf, whose row
+    softmaxes to NaN. Those tokens share the row; the other rows are drawn as ever."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0))
+    logits[0, 7] = logits[2, 250] = logits[2, 260] = float("inf")
+    logits[0, 9] = float("-inf")
+    out = Sampler(seed=0)(logits, rows(SamplingParams(temperature=1.0), 3, seed=1))
+    assert out.token_ids[0] == 7 and out.token_ids[2] in (250, 260)
+    assert 0 <= out.token_ids[1] < 300
+    tiny = SamplingParams(temperature=2.0**-126, max_tokens=4)
+    assert Sampler(seed=0)(torch.tensor([[1.0, 3.0, 2.0]]), [SampleRow(tiny, None)]).token_ids == [1]
+
+
 def test_an_empty_step_samples_nothing_and_mismatched_rows_are_refused() -> None:
     assert Sampler()(torch.empty(0, 50), []).token_ids == []
     with pytest.raises(ValueError, match="one row each"):
@@ -191,6 +204,8 @@ def test_logprobs_are_top_k_of_the_raw_distribution_plus_the_sampled_token() -> 
         ("presence_penalty", 2.5),
         ("frequency_penalty", float("inf")),
         ("repetition_penalty", 0.0),
+        ("repetition_penalty", 5e-324),  # > 0, but 0 as a float32: it made NaNs of the logits
+        ("temperature", 1e-40),
         ("min_tokens", -1),
         ("min_tokens", 17),  # more than max_tokens
         ("min_p", 1.5),

@@ -167,6 +167,11 @@ class Sampler:
         if any(t != 1.0 for t in temperature):  # 1.0 is the API's default: skip a [S, V] pass
             logits = logits / torch.tensor(temperature, dtype=logits.dtype, device=logits.device).unsqueeze(1)
         probs = logits.softmax(dim=-1)  # this step's own tensor: filters change it in place
+        # A tiny temperature or repetition penalty (5e-324 is a float > 0) can overflow a logit
+        # to +inf, which makes its whole row NaN: there the largest logits share the mass.
+        overflowed = probs[:, 0].isnan()
+        if overflowed.any():
+            probs[overflowed] = logits[overflowed].clamp(max=torch.finfo(logits.dtype).max).softmax(dim=-1)
         min_p = [r.params.min_p for r in rows]
         if any(min_p):
             _mask_min_p(probs, min_p)

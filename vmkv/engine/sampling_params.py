@@ -9,6 +9,10 @@ from typing import Literal
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.repetition import RepetitionDetection
 
+# The least temperature and repetition penalty above 0: float32's smallest normal number. The
+# logits are float32, and a smaller scale rounded to 0 made NaNs of them (0 x -inf, 0 / 0).
+SMALLEST_LOGIT_SCALE = 2.0**-126
+
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
 
@@ -120,6 +124,11 @@ class SamplingParams:
             self.top_k = 0
         if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0.0 < self.temperature < SMALLEST_LOGIT_SCALE:
+            raise ValueError(
+                f"temperature must be 0 or at least {SMALLEST_LOGIT_SCALE:.3g} (float32's smallest normal "
+                f"number: the logits are float32), got {self.temperature!r}"
+            )
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None:
@@ -138,9 +147,10 @@ class SamplingParams:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("min_p", self.min_p, 0.0, 1.0)
-        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+        if not _finite(self.repetition_penalty) or self.repetition_penalty < SMALLEST_LOGIT_SCALE:
             raise ValueError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+                f"repetition_penalty must be a finite number >= {SMALLEST_LOGIT_SCALE:.3g} (float32's "
+                f"smallest normal number: the logits are float32), got {self.repetition_penalty!r}"
             )
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
