@@ -459,6 +459,8 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e-40}, 400, "temperature"),  # 0 as a float32
+    ("/v1/chat/completions", {"messages": CHAT, "repetition_penalty": 5e-324}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),

@@ -24,6 +24,7 @@ from vmkv.server.protocol import (
     OpenAIModel,
     ReasoningEffort,
     ResponseFormat,
+    Temperature,
     Text,
     TextContentPart,
     ToolCall,
@@ -280,7 +281,7 @@ class MessagesRequest(MessagesInput):
     max_tokens: Annotated[StrictInt, Field(ge=1)]
     stop_sequences: list[NonEmptyText] | None = None
     stream: StrictBool = False
-    temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=1.0)] = 1.0
+    temperature: Annotated[Temperature, Field(le=1.0)] = 1.0
     top_p: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=1.0)] | None = None
     top_k: Annotated[StrictInt, Field(ge=0, description="0 or null: no top-k cut.")] | None = None
     metadata: Metadata | None = None

@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from vmkv.engine.sampling_params import SMALLEST_LOGIT_SCALE
+
 # The OpenAI API caps both; they also bound the work one request can ask for.
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -53,6 +55,18 @@ def _utf8_encodable(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_utf8_encodable)]
+
+
+def _zero_or_normal(value: float) -> float:
+    if 0.0 < value < SMALLEST_LOGIT_SCALE:
+        raise ValueError(f"must be 0 or at least {SMALLEST_LOGIT_SCALE:.3g}: the logits are float32")
+    return value
+
+
+# 0 (greedy) or a scale of the float32 logits that does not round to 0 (SamplingParams)
+Temperature = Annotated[
+    float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=100.0), AfterValidator(_zero_or_normal)
+]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 
 
@@ -145,7 +159,9 @@ class SamplingExtensions(OpenAIModel):
     )
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=100.0)] = 1.0
+    repetition_penalty: Annotated[
+        float, Field(strict=True, allow_inf_nan=False, ge=SMALLEST_LOGIT_SCALE, le=100.0)
+    ] = 1.0
     min_p: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=1.0)] = 0.0
     logit_bias: LogitBias | None = None
     skip_special_tokens: StrictBool = True
@@ -171,7 +187,7 @@ class SamplingFields(SamplingExtensions):
     declared as well, so that a request setting one is refused (400) instead of ignored."""
 
     model: Text | None = None
-    temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=100.0)] = 1.0
+    temperature: Temperature = 1.0
     top_p: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=1.0)] = 1.0
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     stream: StrictBool = False

@@ -24,6 +24,7 @@ from vmkv.server.protocol import (
     ReasoningEffort,
     ResponseFormat,
     SamplingExtensions,
+    Temperature,
     Text,
     TokenLogprob,
     ToolCall,
@@ -123,7 +124,7 @@ class ResponsesRequest(SamplingExtensions):
     input: Text | Annotated[list[InputItem], Field(min_length=1)]
     instructions: Text | None = Field(default=None, description="A system message before the input.")
     max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=100.0)] = 1.0
+    temperature: Temperature = 1.0
     top_p: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=1.0)] = 1.0
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     include: list[Text] | None = None
