@@ -139,3 +139,93 @@ def test_bad_embedding_requests_are_400s_naming_the_field(served: Served, body: 
     with pytest.raises(openai.NotFoundError):
         served.openai().embeddings.create(model="another", input="x")
     assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+# ------------------------------------------------------------------------------ score and rerank
+def cosine(hf_model: transformers.PreTrainedModel, tokenizer: object, a: str, b: str) -> float:
+    first, second = (reference(hf_model, tokenizer(text)["input_ids"], "last") for text in (a, b))
+    return float(torch.nn.functional.cosine_similarity(first, second, dim=0))
+
+
+def test_score_pairs_its_sides_one_to_many_and_in_order(
+    served: Served, hf_model: transformers.PreTrainedModel
+) -> None:
+    tokenizer = served.engine.tokenizer
+    query, documents = "Where is Paris?", ["Paris is in France.", "Pages map memory.", "Paris is in France."]
+    one_to_many = httpx.post(
+        f"{served.url}/score", json={"model": MODEL, "text_1": query, "text_2": documents}
+    )
+    assert one_to_many.status_code == 200, one_to_many.text
+    body = one_to_many.json()
+    assert body["object"] == "list" and body["model"] == MODEL and body["id"].startswith("score-")
+    assert [item["index"] for item in body["data"]] == [0, 1, 2]
+    for item, document in zip(body["data"], documents, strict=True):
+        assert item["object"] == "score"
+        assert item["score"] == pytest.approx(cosine(hf_model, tokenizer, query, document), abs=1e-3)
+    # a text given twice is embedded once: the usage counts what was computed
+    unique = [query, *documents[:2]]
+    assert body["usage"]["prompt_tokens"] == sum(len(tokenizer(text)["input_ids"]) for text in unique)
+    in_order = httpx.post(
+        f"{served.url}/v1/score", json={"queries": [query, documents[1]], "documents": documents[:2]}
+    ).json()
+    expected = [cosine(hf_model, tokenizer, query, documents[0]), 1.0]  # a text against itself
+    assert [item["score"] for item in in_order["data"]] == pytest.approx(expected, abs=1e-3)
+
+
+def test_rerank_orders_the_documents_by_relevance_and_keeps_the_top_n(served: Served) -> None:
+    documents = ["Pages map memory.", "Paris is the capital of France.", "The sea is blue.", "France"]
+    scores = httpx.post(f"{served.url}/score", json={"text_1": "France", "text_2": documents}).json()["data"]
+    by_score = sorted(range(len(documents)), key=lambda i: -scores[i]["score"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        body = {"model": MODEL, "query": "France", "documents": documents, "top_n": 2}
+        response = httpx.post(f"{served.url}{path}", json=body)
+        assert response.status_code == 200, response.text
+        results = response.json()["results"]
+        assert [r["index"] for r in results] == by_score[:2]
+        assert results[0]["document"] == {"text": documents[by_score[0]]}
+        assert results[0]["relevance_score"] == pytest.approx(scores[by_score[0]]["score"], abs=1e-6)
+    everything = httpx.post(f"{served.url}/rerank", json={"query": "France", "documents": documents}).json()
+    assert [r["index"] for r in everything["results"]] == by_score  # the identical text ranks first
+    assert everything["results"][0]["relevance_score"] == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
+        ("/score", {"text_1": "a"}, None),
+        ("/score", {"text_1": "a", "documents": ["b"]}, None),
+        ("/score", {"text_1": "a", "text_2": []}, None),
+        ("/score", {"text_1": "a", "text_2": "b", "instruction": "judge"}, "instruction"),
+        ("/score", {"text_1": "a", "text_2": "word " * 400}, "documents"),
+        ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, None),
+        ("/rerank", {"query": "", "documents": ["b"]}, "query"),
+        (
+            "/rerank",
+            {"query": "a", "documents": ["b"], "chat_template_kwargs": {"x": 1}},
+            "chat_template_kwargs",
+        ),
+    ],
+)
+def test_bad_score_and_rerank_requests_are_400s(
+    served: Served, path: str, body: dict, param: str | None
+) -> None:
+    response = httpx.post(f"{served.url}{path}", json=body)
+    assert response.status_code == 400, response.text
+    if param is not None:
+        assert response.json()["error"]["param"] == param
+    assert httpx.post(f"{served.url}{path}", json={**body, "model": "another"}).status_code in (400, 404)
+    assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+def test_truncation_cuts_each_text_before_it_is_embedded(served: Served) -> None:
+    long = "word " * 400  # longer than the model's context
+    cut = {"text_1": "word", "text_2": long, "truncate_prompt_tokens": 20}
+    first = httpx.post(f"{served.url}/score", json=cut).json()
+    assert first["usage"]["prompt_tokens"] == len(served.engine.tokenizer("word")["input_ids"]) + 20
+    by_doc = httpx.post(
+        f"{served.url}/score", json={**cut, "truncate_prompt_tokens": None, "max_tokens_per_doc": 20}
+    )
+    assert by_doc.json()["data"][0]["score"] == pytest.approx(first["data"][0]["score"], abs=1e-5)
+    fits = httpx.post(f"{served.url}/score", json={**cut, "truncate_prompt_tokens": -1}).json()
+    assert fits["usage"]["prompt_tokens"] == len(served.engine.tokenizer("word")["input_ids"]) + 255

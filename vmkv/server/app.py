@@ -46,6 +46,7 @@ from vmkv.server.reasoning import REASONING_PARSERS
 from vmkv.server.response_store import DEFAULT_STORE_MIB, ResponseStore
 from vmkv.server.responses import ResponsesServing
 from vmkv.server.responses_protocol import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
+from vmkv.server.scores import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, ScoreServing
 from vmkv.server.sleep_routes import sleep_router
 from vmkv.server.tool_calls import template_tools
 from vmkv.server.tool_parser import TOOL_CALL_PARSERS
@@ -132,6 +133,7 @@ def build_app(
     embeddings = EmbeddingServing(
         engine, served_model_name, serving_metrics, limits, pooling=embedding_pooling
     )
+    scores = ScoreServing(engine, served_model_name, serving_metrics, limits, pooling=embedding_pooling)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -194,6 +196,19 @@ def build_app(
     @api.post("/v1/embeddings", response_model=None, responses={200: {"model": EmbeddingResponse}})
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
         return await embeddings.create(body, request)
+
+    @api.post("/score", response_model=None, responses={200: {"model": ScoreResponse}})
+    @api.post("/v1/score", response_model=None, responses={200: {"model": ScoreResponse}})
+    async def create_score(body: ScoreRequest, request: Request) -> Response:
+        """vLLM's: the cosine similarity of the two sides' embeddings, pair by pair."""
+        return await scores.score(body, request)
+
+    @api.post("/rerank", response_model=None, responses={200: {"model": RerankResponse}})
+    @api.post("/v1/rerank", response_model=None, responses={200: {"model": RerankResponse}})
+    @api.post("/v2/rerank", response_model=None, responses={200: {"model": RerankResponse}})
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        """vLLM's (Jina's and Cohere's shape): documents by their embeddings' similarity to the query."""
+        return await scores.rerank(body, request)
 
     anthropic_errors = {status: {"model": AnthropicErrorResponse} for status in ERROR_RESPONSES}
 

@@ -99,27 +99,12 @@ class EmbeddingServing(OpenAIServing):
                 "for them to be cut",
                 "dimensions",
             )
-        self.check_alive()
-        self.limits.check_queue(self.engine.stats().num_waiting)
         prompts = await self.prompts(body)
-        params = SamplingParams(pooling=self.pooling, max_tokens=1)
         request_id = self.response_id(request, body.request_id, "embd")
-        for prompt in prompts:
-            try:
-                self.engine.validate(prompt, params)
-            except RequestRejected as error:
-                raise bad_request(str(error), "input") from error
-        timer = self.metrics.timer(request_id)
-        engine_id = engine_request_id(request_id)
-        runs = [
-            self.engine.embed(f"{engine_id}-{i}", prompt, params, body.cache_salt)
-            for i, prompt in enumerate(prompts)
-        ]
-        vectors = await self.answer_or_disconnect(request, all_of(runs))
+        vectors = await self.embed_all(request, request_id, prompts, body.cache_salt, "input")
         if isinstance(vectors, Response):
             return vectors
         num_tokens = sum(len(prompt) for prompt in prompts)
-        timer.on_finish(num_tokens, 0, 0, ["stop"] * len(prompts))
         data = [
             Embedding(index=i, embedding=encoded(vector, body.encoding_format))
             for i, vector in enumerate(vectors)
@@ -132,6 +117,30 @@ class EmbeddingServing(OpenAIServing):
             usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
         )
         return JSONResponse(response.model_dump())
+
+    async def embed_all(
+        self, request: Request, request_id: str, prompts: list[list[int]], cache_salt: str | None, param: str
+    ) -> list[list[float]] | Response:
+        """Each prompt's embedding, its engine requests run at once; the answer to send instead
+        when the client went away. A prompt the engine refuses is a 400 naming `param`."""
+        self.check_alive()
+        self.limits.check_queue(self.engine.stats().num_waiting)
+        params = SamplingParams(pooling=self.pooling, max_tokens=1)
+        for prompt in prompts:
+            try:
+                self.engine.validate(prompt, params)
+            except RequestRejected as error:
+                raise bad_request(str(error), param) from error
+        timer = self.metrics.timer(request_id)
+        engine_id = engine_request_id(request_id)
+        runs = [
+            self.engine.embed(f"{engine_id}-{i}", prompt, params, cache_salt)
+            for i, prompt in enumerate(prompts)
+        ]
+        vectors = await self.answer_or_disconnect(request, all_of(runs))
+        if not isinstance(vectors, Response):
+            timer.on_finish(sum(len(prompt) for prompt in prompts), 0, 0, ["stop"] * len(prompts))
+        return vectors
 
     async def prompts(self, body: EmbeddingRequest) -> list[list[int]]:
         """Each input as token ids: texts tokenized (a text too long for the model is a 400),
@@ -147,16 +156,20 @@ class EmbeddingServing(OpenAIServing):
                 item = await self.encode(item, add_special_tokens=body.add_special_tokens, param="input")
             else:
                 self.check_token_ids(item, "input")
-            if not item:
-                raise bad_request("an input has no tokens", "input")
-            if len(item) >= self.engine.max_model_len:
-                raise bad_request(
-                    f"an input has {len(item)} tokens; this model's maximum context length is "
-                    f"{self.engine.max_model_len}",
-                    "input",
-                )
-            prompts.append(item)
+            prompts.append(self.check_length(item, "input"))
         return prompts
+
+    def check_length(self, prompt: list[int], param: str) -> list[int]:
+        """The prompt, unless it is empty or leaves no room in max_model_len (a 400 naming param)."""
+        if not prompt:
+            raise bad_request(f"{param}: a text has no tokens", param)
+        if len(prompt) >= self.engine.max_model_len:
+            raise bad_request(
+                f"{param}: a text has {len(prompt)} tokens; this model's maximum context length is "
+                f"{self.engine.max_model_len}",
+                param,
+            )
+        return prompt
 
 
 async def all_of(runs: list[Coroutine[None, None, T]]) -> list[T]:
