@@ -813,7 +813,10 @@ def test_fuzzed_requests_never_get_a_server_error(fuzz_url: str, mode: Generatio
         def check(case: schemathesis.Case) -> None:
             if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
                 case.body.pop("model", None)  # a random name only ever reaches the 404 check
+            response = case.call(timeout=30)
+            if mode is GenerationMode.NEGATIVE and response.status_code == 413:
+                return  # a list past its maxItems can be past the body limit too: refused unread
             # A schema-valid request may still be refused (a prompt too long for max_model_len): not a bug.
-            case.call_and_validate(timeout=30, excluded_checks=[positive_data_acceptance])
+            case.validate_response(response, excluded_checks=[positive_data_acceptance])
 
         check()
