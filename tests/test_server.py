@@ -360,11 +360,31 @@ def test_models_tokenize_detokenize_version(served: Served) -> None:
         assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {
             "prompt": "Hello, world!"
         }
+        assert tokens["token_strs"] is None
+        strings = http.post("/tokenize", json={"prompt": "Hello, world!", "return_token_strs": True}).json()
+        assert strings["token_strs"] == served.engine.tokenizer.convert_ids_to_tokens(tokens["tokens"])
+        assert "".join(strings["token_strs"]).endswith("world!")  # this tokenizer's strings are its bytes
         chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
         assert chat["count"] > tokens["count"] - 5  # the template wraps the message
+        assert http.get("/tokenizer_info").status_code == 404  # only with --enable-tokenizer-info-endpoint
         assert http.get("/version").json()["version"]
         health = http.get("/health")
         assert health.status_code == 200 and health.content == b""
+
+
+def test_tokenizer_info_describes_the_tokenizer_and_the_chat_template_in_use(tiny_model_dir: Path) -> None:
+    engine = start_engine(str(tiny_model_dir), "paged", in_process=True)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        app = build_app(engine, MODEL, chat_template=template, enable_tokenizer_info=True)
+        with LiveServer(app) as server:
+            info = httpx.get(f"{server.url}/tokenizer_info").json()
+    finally:
+        engine.shutdown()
+    assert info["tokenizer_class"] == type(engine.tokenizer).__name__
+    assert info["chat_template"] == template
+    assert info["eos_token"] == engine.tokenizer.eos_token
+    assert not any(key.endswith("_file") for key in info)
 
 
 # ------------------------------------------------------------------------------- concurrency

@@ -66,6 +66,30 @@ def package_version() -> str:
         return "unknown"
 
 
+def tokenizer_config(tokenizer: object, chat_template: str | None) -> dict:
+    """What /tokenizer_info answers: the arguments the tokenizer was made with, as JSON (an
+    AddedToken as its text, file paths left out), its class and the chat template in use."""
+
+    def plain(value: object) -> object:
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        if isinstance(value, str | int | float | bool) or value is None:
+            return value
+        return getattr(value, "content", str(value))  # tokenizers' AddedToken: its text
+
+    config = {
+        k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items() if not k.endswith("_file")
+    }
+    config = plain(config)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
+        config["chat_template"] = template
+    return config
+
+
 def build_app(
     engine: EngineClient,
     served_model_name: str,
@@ -85,6 +109,7 @@ def build_app(
     stream_interval: int = 1,
     log_requests: bool = False,
     enable_sleep_mode: bool = False,
+    enable_tokenizer_info: bool = False,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -101,7 +126,8 @@ def build_app(
     With `request_id_headers`, every answer carries an X-Request-Id header. A stream's tokens go
     out in chunks of at least `stream_interval` (a request may ask for more). With
     `log_requests`, every finished request logs one line (its id, tokens, latencies). With
-    `enable_sleep_mode`, /pause, /resume, /sleep, /wake_up and their /is_* queries are served.
+    `enable_sleep_mode`, /pause, /resume, /sleep, /wake_up and their /is_* queries are served;
+    with `enable_tokenizer_info`, /tokenizer_info.
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
@@ -263,7 +289,18 @@ def build_app(
             tokens = await chat.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens, param="prompt"
             )
-        return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
+        strings = engine.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens, token_strs=strings
+        )
+
+    if enable_tokenizer_info:
+
+        @api.get("/tokenizer_info")
+        async def tokenizer_info() -> dict:
+            """vLLM's: the tokenizer's configuration (tokenizer_config.json's fields, file paths
+            left out), its class, and the chat template the server renders with."""
+            return tokenizer_config(engine.tokenizer, chat.chat_template)
 
     @api.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

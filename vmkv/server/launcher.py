@@ -152,6 +152,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "can stop the engine and give its KV and weights memory back (docs/server.md)",
     )
     server.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info: the tokenizer's configuration and the chat template (vLLM's flag)",
+    )
+    server.add_argument(
         "--enable-prompt-embeds",
         action="store_true",
         help="let completions give prompts as embeddings (prompt_embeds: base64 of torch.save'd "
@@ -301,6 +306,7 @@ def serve_main(args: argparse.Namespace) -> None:
             stream_interval=args.stream_interval,
             log_requests=args.enable_log_requests,
             enable_sleep_mode=args.enable_sleep_mode,
+            enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
         )
     except ValueError as error:
         engine.shutdown()

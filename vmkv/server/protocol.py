@@ -621,6 +621,7 @@ class TokenizeRequest(OpenAIModel):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: Text | None = None  # as chat's
     tools: list[ToolDefinition] | None = None
+    return_token_strs: StrictBool = Field(default=False, description="vLLM's: each token's string too.")
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> TokenizeRequest:
@@ -633,6 +634,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # the tokenizer's own strings (byte-level ones as such)
 
 
 class DetokenizeRequest(OpenAIModel):
