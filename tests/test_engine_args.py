@@ -46,6 +46,7 @@ def test_defaults_are_the_config_defaults() -> None:
             num_threads=2,
             fp32_gemm=False,
             compile_model=True,
+            logits_processors=("my.module:Processor", "other.Processor"),
         ),
     ],
 )

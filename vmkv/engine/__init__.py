@@ -7,6 +7,7 @@ from vmkv.engine.data_parallel import DataParallelLLM
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.llm import LLM
 from vmkv.engine.llm_engine import EngineStats, LLMEngine
+from vmkv.engine.logits_processors import LogitsProcessor
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.sequence import FinishReason, RequestStatus
@@ -23,6 +24,7 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "LLMEngine",
+    "LogitsProcessor",
     "RequestMetrics",
     "RequestOutput",
     "RequestRejected",

@@ -194,6 +194,15 @@ def add_engine_arguments(
         default=d.tensor_parallel_timeout,
         help="seconds without a heartbeat after which a rank is taken as hung and the engine stops",
     )
+    add(
+        "logits_processors",
+        "--logits-processors",
+        nargs="*",
+        default=list(d.logits_processors),
+        metavar="MODULE:CLASS",
+        help="custom logits processors (vmkv.engine.LogitsProcessor subclasses), made at start; "
+        "requests opt in with vllm_xargs (docs/engine.md)",
+    )
     missing = {f.name for f in dataclasses.fields(EngineConfig)} - named
     assert not missing, f"EngineConfig fields without a flag: {missing}"
 
@@ -281,4 +290,6 @@ def engine_flags(config: EngineConfig) -> list[str]:
         out += ["--tensor-parallel-local-ranks", str(config.tensor_parallel_local_ranks)]
     if config.fp32_gemm is not None:
         out.append("--fp32-gemm" if config.fp32_gemm else "--no-fp32-gemm")
+    if config.logits_processors:
+        out += ["--logits-processors", *config.logits_processors]
     return out

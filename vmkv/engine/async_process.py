@@ -53,6 +53,7 @@ from vmkv.engine.ipc import (
     read_start_report,
 )
 from vmkv.engine.llm_engine import EngineStats
+from vmkv.engine.logits_processors import check_extra_args, logits_processor_class
 from vmkv.engine.output_processor import RequestState
 from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.prompt_embeds import EmbedsPayload, prompt_rows
@@ -79,6 +80,8 @@ class AsyncProcessLLM:
     def __init__(self, config: EngineConfig | None = None, **kwargs: object) -> None:
         config = config or EngineConfig(**kwargs)
         model_path = resolve_model(config.model)  # pull and convert here once, not in the child
+        # their classes, to check a request's extra_args here (an unusable one fails here first)
+        self._processors = [logits_processor_class(name) for name in config.logits_processors]
         self.tokenizer = load_tokenizer(model_path)
         commands_address, outputs_address = new_addresses()
         # The engine binds, this side connects: a connecting PUSH queues from the start, so a
@@ -134,6 +137,7 @@ class AsyncProcessLLM:
         self, prompt: str | Sequence[int] | torch.Tensor, params: SamplingParams
     ) -> tuple[str | None, list[int]]:
         """Tokenize and check a request here (raises RequestRejected); nothing reaches the engine."""
+        check_extra_args(self._processors, params)
         return self.info.validate(self.tokenizer, prompt, params)
 
     async def generate(
@@ -277,7 +281,7 @@ class AsyncProcessLLM:
                 continue  # complete here already (a stop string); the engine caught up
             if update.rejected is not None:
                 state.finished = True
-                stream.queue.put_nowait(RequestRejected(update.rejected))
+                stream.queue.put_nowait(RequestRejected(update.rejected, update.rejected_param))
                 continue
             for index in state.apply(update):
                 self._send(StopSample(state.request_id, index))

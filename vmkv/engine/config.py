@@ -72,6 +72,9 @@ class EngineConfig:
     # Seconds without a heartbeat after which a rank that has not exited (stopped, frozen) is
     # taken as hung: the engine fails its requests and stops, as for a rank that died.
     tensor_parallel_timeout: float = 10.0
+    # Custom logits processors, "package.module:Class" each (vmkv.engine.logits_processors),
+    # made once at start in the engine's process; requests opt in through their extra_args.
+    logits_processors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -117,6 +120,9 @@ class EngineConfig:
         timeout = self.tensor_parallel_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ValueError(f"tensor_parallel_timeout must be a positive number of seconds, got {timeout!r}")
+        self.logits_processors = tuple(self.logits_processors)
+        if not all(isinstance(name, str) and name for name in self.logits_processors):
+            raise ValueError(f"logits_processors must be class names, got {self.logits_processors!r}")
         if self.tensor_parallel_size > 1 and self.compile_model:
             raise ValueError("compile_model is not supported with tensor_parallel_size > 1 yet")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -133,7 +133,8 @@ class EngineCore:
                 try:
                     engine.add_request(request_id, prompt, params, cache_salt, priority)
                 except RequestRejected as error:
-                    return [RequestUpdate(request_id, [], finished=True, rejected=str(error))]
+                    refusal = {"rejected": str(error), "rejected_param": error.param}
+                    return [RequestUpdate(request_id, [], finished=True, **refusal)]
                 self.sent[request_id] = {}
                 return []
             case Abort(request_id):

@@ -77,6 +77,7 @@ class RequestUpdate(msgspec.Struct, array_like=True):
     finished: bool
     error: str | None = None  # the engine failed the request (finish_reason "error")
     rejected: str | None = None  # the engine refused it at admission: nothing ran
+    rejected_param: str | None = None  # the field to blame, as RequestRejected.param
     prompt_logprobs: list[PromptLogprob | None] | None = None  # sent once, when complete
     num_cached_tokens: int = 0
     embedding: list[float] | None = None  # a pooling request's, when it finishes

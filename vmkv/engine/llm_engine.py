@@ -24,6 +24,7 @@ from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.errors import ControlRefused, RequestRejected
 from vmkv.engine.kv_factory import build_kv_cache
+from vmkv.engine.logits_processors import check_extra_args, logits_processor_class
 from vmkv.engine.model_runner import ModelRunner
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.prompt_embeds import embeds_cache_salt, prompt_rows, text_context
@@ -98,6 +99,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)  # process-wide: the engine owns its process
         self.model_path = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_path)
+        processor_classes = [logits_processor_class(name) for name in config.logits_processors]  # fail early
         # tensor parallelism: this process is rank 0, with the one scheduler and KV manager
         self.tp = None
         if config.tensor_parallel_size > 1:
@@ -134,7 +136,9 @@ class LLMEngine:
             hidden_size=self.runner.hidden_size,
             takes_prompt_embeds=self.tp is None,
         )
-        self.sampler = Sampler(config.seed, self.runner.device, self.info.eos_token_ids)
+        device, vocab_size = self.runner.device, self.runner.vocab_size
+        self.logits_processors = [processor(vocab_size, device) for processor in processor_classes]
+        self.sampler = Sampler(config.seed, device, self.info.eos_token_ids, self.logits_processors)
         # structured-output grammars compile on a worker thread; their requests wait there
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.info.eos_token_ids)
         # False when the caller detokenizes (the API process, with the engine in its own
@@ -227,6 +231,7 @@ class LLMEngine:
     ) -> tuple[str | None, list[int]]:
         """Tokenize and check a request without touching engine state (safe from any thread);
         returns (prompt text or None, prompt token ids) or raises RequestRejected."""
+        check_extra_args([type(p) for p in self.logits_processors], params)
         return self.info.validate(self.tokenizer, prompt, params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -24,6 +24,7 @@ import torch
 
 from vmkv import faults
 from vmkv.engine.argmax_kernel import first_max_indices
+from vmkv.engine.logits_processors import LogitsProcessor
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.structured_output import GrammarState, apply_token_bitmask, new_token_bitmask
 
@@ -56,11 +57,17 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(
-        self, seed: int = 0, device: torch.device | str = "cpu", eos_token_ids: Collection[int] = ()
+        self,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        eos_token_ids: Collection[int] = (),
+        custom: Sequence[LogitsProcessor] = (),
     ) -> None:
+        """custom: the engine's own logits processors (logits_processors.py)."""
         # for rows without a seed of their own
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = sorted(eos_token_ids)  # masked, with stop_token_ids, until min_tokens
+        self.custom = list(custom)
         self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
@@ -73,11 +80,12 @@ class Sampler:
         if self._faults is not None:
             self._faults.on_sample(rows)
         raw = logits
-        processed = [i for i, r in enumerate(rows) if r.params.processes_logits]
+        custom = [[i for i, r in enumerate(rows) if p.applies_to(r.params)] for p in self.custom]
+        processed = sorted({i for i, r in enumerate(rows) if r.params.processes_logits}.union(*custom))
         blocked: set[int] = set()
         if processed:
             logits = logits.clone()
-            self._process(logits, rows, processed)
+            self._process(logits, rows, processed, custom)
             tokens = first_max_indices(logits)
             best_values = logits.gather(1, tokens[:, None])[:, 0].tolist()
             blocked = {i for i in processed if best_values[i] == float("-inf")}
@@ -105,10 +113,13 @@ class Sampler:
         return self.eos_token_ids[0] if self.eos_token_ids else int(raw_logits.argmax())
 
     # ------------------------------------------------------------------ logits processors
-    def _process(self, logits: torch.Tensor, rows: list[SampleRow], processed: list[int]) -> None:
+    def _process(
+        self, logits: torch.Tensor, rows: list[SampleRow], processed: list[int], custom: list[list[int]]
+    ) -> None:
         """Apply, in place and in this order, allowed_token_ids, the grammar masks, the min_tokens
         and bad_words masks, logit_bias and the penalties of the `processed` rows (vLLM's order:
-        masks and biases, then penalties)."""
+        masks and biases, then penalties), then each custom processor to the rows in its list of
+        `custom`, and last a spent thinking budget's forced token."""
         for i in processed:
             allowed = rows[i].params.allowed_token_ids
             if allowed is not None:
@@ -155,6 +166,12 @@ class Sampler:
             )
         if penalized:
             _apply_penalties(logits, rows, penalized)
+        for processor, indices in zip(self.custom, custom, strict=True):
+            if indices:
+                index = torch.tensor(indices, device=device)
+                part = logits[index]
+                processor.apply(part, [rows[i] for i in indices])
+                logits[index] = part
         for i in processed:  # last: a spent thinking budget overrides every other processor
             forced = _thinking_end_token(rows[i])
             if forced is not None:

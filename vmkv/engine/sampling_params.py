@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Literal
+from typing import Any, Literal
 
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.repetition import RepetitionDetection
@@ -68,7 +68,9 @@ class SamplingParams:
     token ids: with `structured`, the constraint holds only from the token after the output
     first ends with them (the thinking before is free); with thinking_budget, once that many
     tokens have been output before them, they are forced, one token a step. repetition_detection
-    ends a sample whose output has fallen into a loop (finish reason "repetition").
+    ends a sample whose output has fallen into a loop (finish reason "repetition"). extra_args
+    are for the engine's custom logits processors (vmkv.engine.logits_processors), which read
+    them to decide whether and how they apply.
 
     pooling makes the request an embedding of its prompt instead of a generation: the final
     hidden states of its last token ("last") or the mean of all its tokens' ("mean"), L2
@@ -109,6 +111,7 @@ class SamplingParams:
     thinking_budget: int | None = None
     repetition_detection: RepetitionDetection | None = None
     pooling: Literal["last", "mean"] | None = None
+    extra_args: dict[str, Any] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
 
@@ -168,6 +171,10 @@ class SamplingParams:
         ):
             raise ValueError("bad_words_token_ids must hold non-empty lists of non-negative token ids")
         self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+        if self.extra_args is not None and (
+            not isinstance(self.extra_args, dict) or not all(isinstance(k, str) for k in self.extra_args)
+        ):
+            raise ValueError(f"extra_args must be a dict with string keys, got {self.extra_args!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         self.end_of_thinking = _token_ids("end_of_thinking", self.end_of_thinking)
@@ -261,6 +268,7 @@ BEAM_SEARCH_IGNORES = frozenset(
         "structured",
         "thinking_budget",
         "repetition_detection",
+        "extra_args",
         "stop",
         "logprob_token_ids",
     }

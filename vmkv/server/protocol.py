@@ -173,6 +173,9 @@ class SamplingExtensions(OpenAIModel):
         default=0, description="Lower runs first; needs the server's --scheduling-policy priority."
     )
     repetition_detection: RepetitionDetectionParams | None = None
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = Field(
+        default=None, description="vLLM's: arguments for the server's --logits-processors (extra_args)."
+    )
 
     @property
     def stop_strings(self) -> list[str]:

@@ -22,7 +22,12 @@ def sampling_refusals(body: SamplingFields, fast_tokenizer: bool) -> list[Refusa
     """`fast_tokenizer`: the model's tokenizer is a fast (Rust) one, whose decoding never puts
     spaces between special tokens, so spaces_between_special_tokens changes nothing (as in vLLM)."""
     return [
-        ("logits_processors", bool(body.logits_processors), "custom logits processors cannot be loaded"),
+        (
+            "logits_processors",
+            bool(body.logits_processors),
+            "a request cannot load code: start the server with --logits-processors and pass their "
+            "arguments in vllm_xargs",
+        ),
         (
             "length_penalty",
             body.length_penalty != 1.0 and not body.use_beam_search,

@@ -50,6 +50,13 @@ from vmkv.server.structured_request import structured_specs
 # The status nginx made the convention for "client closed the request"; nobody is left to read it.
 CLIENT_CLOSED_REQUEST = 499
 T = TypeVar("T")
+# SamplingParams fields under their names in the API, where these differ
+API_NAMES = {"bad_words_token_ids": "bad_words", "structured": "response_format", "extra_args": "vllm_xargs"}
+
+
+def api_param(engine_param: str | None) -> str | None:
+    """The request field a RequestRejected's param names."""
+    return API_NAMES.get(engine_param, engine_param)
 
 
 @dataclass
@@ -315,12 +322,8 @@ class OpenAIServing:
             self.engine.check_priority(body.priority)
             self.engine.validate(prompt_ids if prompt_embeds is None else prompt_embeds, params)
         except RequestRejected as error:
-            names = {
-                "prompt": prompt_param,
-                "bad_words_token_ids": "bad_words",
-                "structured": "response_format",
-            }
-            raise bad_request(str(error), names.get(error.param, error.param)) from error
+            param = prompt_param if error.param == "prompt" else api_param(error.param)
+            raise bad_request(str(error), param) from error
         return Submission(
             request_id,
             prompt_ids,
@@ -371,6 +374,7 @@ class OpenAIServing:
             end_of_thinking=end_of_thinking,
             thinking_budget=thinking_budget,
             repetition_detection=repetition_detection(body.repetition_detection),
+            extra_args=body.vllm_xargs,
         )
 
     # ------------------------------------------------------------------------ running requests
@@ -431,8 +435,8 @@ class OpenAIServing:
             raise APIError(503, str(error)) from error
         except RequestFailed as error:
             raise APIError(500, str(error)) from error
-        except RequestRejected as error:
-            raise bad_request(str(error)) from error
+        except RequestRejected as error:  # at admission, in the engine
+            raise bad_request(str(error), api_param(error.param)) from error
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -485,4 +489,5 @@ def failure_status(error: Exception) -> int:
 
 def error_event(error: Exception) -> str:
     """A failure after the stream began: the status is already sent, so the error travels as an event."""
-    return sse_event(error_body(failure_status(error), str(error)))
+    param = api_param(error.param) if isinstance(error, RequestRejected) else None
+    return sse_event(error_body(failure_status(error), str(error), param))
