@@ -15,7 +15,7 @@ import jsonschema_rs
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import MODEL, LiveServer, Served, live_server
+from test_server import MODEL, LiveServer, Served, live_server, start_engine
 
 from vmkv import LLM, SamplingParams
 from vmkv.engine import AsyncLLM, RequestRejected
@@ -1079,6 +1079,15 @@ def test_prompt_logprobs_come_in_vllms_shape(
         ({"min_p": 1.5}, "min_p"),
         ({"min_tokens": 13}, "min_tokens"),  # more than max_tokens (12)
         ({"min_tokens": -1}, "min_tokens"),
+        # vLLM's fields for what this server does not have: refused, not ignored
+        ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+        ({"ec_transfer_params": {}}, "ec_transfer_params"),
+        ({"mm_payload": "none"}, "mm_payload"),
+        ({"return_mm_kwargs": True}, "return_mm_kwargs"),
+        ({"watermarking": True}, "watermarking"),
+        ({"routed_experts_prompt_start": 3}, "routed_experts_prompt_start"),
+        ({"return_token_offsets": True}, "return_token_offsets"),
+        ({"thinking_token_budget": 10}, "thinking_token_budget"),  # a chat's
     ],
 )
 def test_completion_parameters_not_honoured_are_400s(
@@ -1103,6 +1112,9 @@ def test_completion_parameters_not_honoured_are_400s(
         ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is on
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"mm_processor_kwargs": {"num_crops": 4}}, "mm_processor_kwargs"),
+        ({"media_io_kwargs": {"video": {}}}, "media_io_kwargs"),
+        ({"kv_transfer_params": {}}, "kv_transfer_params"),
     ],
 )
 def test_chat_parameters_not_honoured_are_400s(client: openai.OpenAI, extra: dict, param: str) -> None:
@@ -1111,6 +1123,30 @@ def test_chat_parameters_not_honoured_are_400s(client: openai.OpenAI, extra: dic
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body=extra
         )
     assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_return_prompt_text_brings_the_rendered_conversation(client: openai.OpenAI, served: Served) -> None:
+    rendered = served.engine.tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
+    chat = dict(model=MODEL, messages=ASK, max_tokens=2, extra_body={"return_prompt_text": True})
+    assert client.chat.completions.create(**chat).model_extra["prompt_text"] == rendered
+    chunks = list(client.chat.completions.create(**chat, stream=True))
+    assert chunks[0].model_extra["prompt_text"] == rendered
+    assert all("prompt_text" not in chunk.model_extra for chunk in chunks[1:])
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+    assert "prompt_text" not in plain.model_extra  # only when asked
+
+
+def test_a_session_id_is_written_in_the_request_log(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = start_engine(str(tiny_model_dir), "paged", in_process=True)
+    try:
+        with LiveServer(build_app(engine, MODEL, log_requests=True)) as server, caplog.at_level("INFO"):
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "session_id": "chat-41"}
+            assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+    finally:
+        engine.shutdown()
+    assert any(" of session chat-41 finished" in record.getMessage() for record in caplog.records)
 
 
 def test_a_callers_request_id_names_the_response_even_when_reused(

@@ -80,6 +80,7 @@ class ChatRun:
     request_id: str
     submissions: list[Submission]
     reasoning: str | None  # the reasoning parser, when the model thinks first
+    prompt_text: str  # the conversation as the template wrote it
 
 
 class ChatServing(OpenAIServing):
@@ -223,11 +224,9 @@ class ChatServing(OpenAIServing):
         request_id, submissions, reasoning = run.request_id, run.submissions, run.reasoning
         prompt_ids = submissions[0].prompt_ids
         logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
-        timer = self.metrics.timer(request_id)
+        timer = self.metrics.timer(request_id, body.session_id)
         if body.stream:
-            return EventStreamResponse(
-                self.chat_events(body, request_id, submissions, timer, logprob_format, reasoning, functions)
-            )
+            return EventStreamResponse(self.chat_events(body, run, timer, logprob_format, functions))
         choices = await self.collect_or_answer_disconnect(request, submissions, timer)
         if isinstance(choices, Response):
             return choices
@@ -242,6 +241,7 @@ class ChatServing(OpenAIServing):
             usage=usage(submissions, choices),
             prompt_logprobs=logprob_format.prompt(choices[0].prompt_logprobs, body.prompt_logprobs),
             prompt_token_ids=prompt_ids if body.return_token_ids else None,
+            prompt_text=run.prompt_text if body.return_prompt_text else None,
         )
         return JSONResponse(response.model_dump())
 
@@ -295,7 +295,7 @@ class ChatServing(OpenAIServing):
         last = body.messages[-1]
         if body.echo and last.role == "assistant":  # vLLM's chat echo: the message being continued
             submission.echo = last.text
-        return ChatRun(request_id, [submission], reasoning)
+        return ChatRun(request_id, [submission], reasoning, text)
 
     def parses_calls(self, body: ChatCompletionRequest) -> bool:
         """Whether the answer is read for calls the model chose to make (tool_choice "auto")."""
@@ -330,13 +330,12 @@ class ChatServing(OpenAIServing):
     async def chat_events(
         self,
         body: ChatCompletionRequest,
-        request_id: str,
-        submissions: list[Submission],
+        run: ChatRun,
         timer: RequestTimer,
         logprob_format: LogprobFormatter,
-        reasoning_parser: str | None,
         functions: bool = False,
     ) -> AsyncGenerator[str, None]:
+        request_id, submissions, reasoning_parser = run.request_id, run.submissions, run.reasoning
         created = now()
         choices = new_choices(submissions)
         # where the answer may hold tool calls, each choice's text turns into tool-call deltas;
@@ -373,6 +372,7 @@ class ChatServing(OpenAIServing):
             chunk_choices: list[ChatChunkChoice],
             final_usage: bool = False,
             prompt_ids: list[int] | None = None,
+            prompt_text: str | None = None,
         ) -> str:
             usage_ = usage(submissions, choices) if final_usage or body.continuous_usage else None
             return sse_event(
@@ -383,6 +383,7 @@ class ChatServing(OpenAIServing):
                     choices=chunk_choices,
                     usage=usage_,
                     prompt_token_ids=prompt_ids,
+                    prompt_text=prompt_text,
                 )
             )
 
@@ -393,6 +394,7 @@ class ChatServing(OpenAIServing):
                     for choice in choices
                 ],
                 prompt_ids=submissions[0].prompt_ids if body.return_token_ids else None,
+                prompt_text=run.prompt_text if body.return_prompt_text else None,
             )
             if submissions[0].echo:
                 yield chunk(

@@ -86,7 +86,7 @@ class CompletionServing(OpenAIServing):
                 submission.echo = prompt if uncut else self.tokenizer.decode(prompt_ids)
             submissions.append(submission)
         logprob_format = LogprobFormatter(self.tokenizer, bool(body.return_tokens_as_token_ids))
-        timer = self.metrics.timer(request_id)
+        timer = self.metrics.timer(request_id, body.session_id)
         if body.stream:
             return EventStreamResponse(
                 self.completion_events(body, request_id, submissions, timer, logprob_format)

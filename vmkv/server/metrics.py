@@ -61,9 +61,10 @@ class RequestTimer:
     """Times one request from arrival to finish; feeds the latency histograms once it ends, and
     with request logging on, logs one line saying what it did."""
 
-    def __init__(self, metrics: ServingMetrics, request_id: str) -> None:
+    def __init__(self, metrics: ServingMetrics, request_id: str, session_id: str | None = None) -> None:
         self.metrics = metrics
         self.request_id = request_id
+        self.session_id = session_id
         self.arrival = time.perf_counter()
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -87,9 +88,10 @@ class RequestTimer:
         if self.metrics.log_requests:
             ttft = "-" if self.first_token is None else f"{self.first_token - self.arrival:.3f} s"
             logger.info(
-                "request %s finished (%s): %d prompt tokens, %d generated, first token after %s, "
+                "request %s%s finished (%s): %d prompt tokens, %d generated, first token after %s, "
                 "%.3f s in all",
                 self.request_id,
+                "" if self.session_id is None else f" of session {self.session_id}",
                 ", ".join(sorted(set(finish_reasons))) or "-",
                 prompt_tokens,
                 generated_tokens,
@@ -122,8 +124,8 @@ class ServingMetrics:
         )
         self.e2e = Histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
 
-    def timer(self, request_id: str) -> RequestTimer:
-        return RequestTimer(self, request_id)
+    def timer(self, request_id: str, session_id: str | None = None) -> RequestTimer:
+        return RequestTimer(self, request_id, session_id)
 
     def render(self, engines: list[EngineStats], front: dict[str, Sample] | None = None) -> str:
         """What the engines report (one per data-parallel replica, labelled `replica` when there

@@ -231,8 +231,18 @@ class SamplingFields(SamplingExtensions):
         description="vLLM's: a stream's tokens go out in chunks of at least this many (its first and last "
         "at once); raises the server's --stream-interval, never lowers it.",
     )
+    session_id: Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)] | None = Field(
+        default=None, description="vLLM's: a conversation's stable id, written in the request log line."
+    )
     # known and refused with a 400 when set (see docs/server.md)
     logits_processors: list[Any] | None = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    watermarking: Any = None
+    routed_experts_prompt_start: Any = None
+    return_token_offsets: Any = None
     use_beam_search: StrictBool = False
     length_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False)] = 1.0
     spaces_between_special_tokens: StrictBool = True
@@ -276,6 +286,7 @@ class CompletionRequest(SamplingFields):
         "token (at least n; not with stream).",
     )
     suffix: Text | None = None  # refused when set
+    thinking_token_budget: Any = None  # refused when set: a chat's, where --reasoning-parser knows the end
 
 
 class TextContentPart(OpenAIModel):
@@ -376,6 +387,12 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, Text]] | None = Field(
         default=None, description="For templates that read them (retrieval templates): the documents."
     )
+    return_prompt_text: StrictBool = Field(
+        default=False, description="vLLM's: the answer (a stream's first chunk) carries the rendered prompt."
+    )
+    # known and refused with a 400 when set: multimodal inputs (this server serves text models)
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None,
@@ -518,6 +535,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = sent_if_asked()
+    prompt_text: str | None = sent_if_asked()
 
 
 class DeltaFunctionCall(BaseModel):
@@ -565,6 +583,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = sent_if_asked()  # a stream's first chunk
+    prompt_text: str | None = sent_if_asked()  # a stream's first chunk
 
 
 # ------------------------------------------------------------------- other endpoints

@@ -8,6 +8,7 @@ from vmkv.server.protocol import ChatCompletionRequest, CompletionRequest, Sampl
 
 # (param, whether the request sets it, why it is refused): known fields not implemented here
 Refusal = tuple[str, bool, str]
+MULTIMODAL = "this server serves text models"
 VERBOSITY = "the model's answers are as long as it makes them; only the default, medium, is accepted"
 
 
@@ -38,12 +39,24 @@ def sampling_refusals(body: SamplingFields, fast_tokenizer: bool) -> list[Refusa
             not body.spaces_between_special_tokens and not fast_tokenizer,
             "this model's tokenizer is a slow one, whose spacing of special tokens is not implemented",
         ),
+        ("kv_transfer_params", body.kv_transfer_params is not None, "this server sends no KV to others"),
+        ("ec_transfer_params", body.ec_transfer_params is not None, "this server has no encoder cache"),
+        ("mm_payload", body.mm_payload not in (None, "tensors"), MULTIMODAL),
+        ("return_mm_kwargs", bool(body.return_mm_kwargs), MULTIMODAL),
+        ("watermarking", bool(body.watermarking), "this server marks no output"),
+        ("routed_experts_prompt_start", bool(body.routed_experts_prompt_start), "no routing is returned"),
+        ("return_token_offsets", bool(body.return_token_offsets), "vLLM returns them from its render routes"),
     ]
 
 
 def completion_refusals(body: CompletionRequest) -> list[Refusal]:
     return [
         ("suffix", bool(body.suffix), "this server does not insert text"),
+        (
+            "thinking_token_budget",
+            body.thinking_token_budget is not None,
+            "it is a chat's: there the server's --reasoning-parser knows where thinking ends",
+        ),
         ("best_of", body.best_of is not None and body.best_of < body.n, "it must be at least n"),
         (
             "best_of",
@@ -73,6 +86,8 @@ def chat_refusals(body: ChatCompletionRequest, parses_calls: bool) -> list[Refus
             body.tool_choice == "auto" and not parses_calls,
             f'{no_parser}; use "required" or name a function',
         ),
+        ("mm_processor_kwargs", bool(body.mm_processor_kwargs), MULTIMODAL),
+        ("media_io_kwargs", bool(body.media_io_kwargs), MULTIMODAL),
         (
             "prompt_logprobs",
             body.stream and body.prompt_logprobs is not None,
