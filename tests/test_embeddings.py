@@ -6,7 +6,9 @@ the `openai` client over real HTTP."""
 
 from __future__ import annotations
 
+import base64
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,6 +132,12 @@ def test_the_openai_client_gets_each_inputs_embedding(
         ({"input": "word " * 400}, "input"),
         ({"input": "x", "dimensions": 3}, "dimensions"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "x", "embed_dtype": "fp8_e4m3"}, "embed_dtype"),
+        ({"input": "x", "use_activation": False}, "use_activation"),
+        ({"input": "x", "padding": "max_length"}, "padding"),
+        ({"input": "x", "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
+        ({"input": "x", "priority": 1}, "priority"),  # the server's policy is fcfs
+        ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ],
 )
 def test_bad_embedding_requests_are_400s_naming_the_field(served: Served, body: dict, param: str) -> None:
@@ -139,6 +147,40 @@ def test_bad_embedding_requests_are_400s_naming_the_field(served: Served, body: 
     with pytest.raises(openai.NotFoundError):
         served.openai().embeddings.create(model="another", input="x")
     assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("embed_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("endianness", ["native", "little", "big"])
+def test_base64_embeddings_come_in_the_dtype_and_byte_order_asked(
+    served: Served, embed_dtype: str, endianness: str
+) -> None:
+    body = {"model": MODEL, "input": "Virtual memory maps pages."}
+    floats = httpx.post(f"{served.url}/v1/embeddings", json=body).json()["data"][0]["embedding"]
+    asked = {**body, "encoding_format": "base64", "embed_dtype": embed_dtype, "endianness": endianness}
+    encoded = httpx.post(f"{served.url}/v1/embeddings", json=asked).json()["data"][0]["embedding"]
+    raw = bytearray(base64.b64decode(encoded))
+    width = 4 if embed_dtype == "float32" else 2
+    assert len(raw) == width * len(floats)
+    if endianness == "big" or (endianness == "native" and sys.byteorder == "big"):
+        for start in range(0, len(raw), width):  # to little-endian, element by element
+            raw[start : start + width] = raw[start : start + width][::-1]
+    values = torch.frombuffer(raw, dtype=getattr(torch, embed_dtype)).float()
+    assert torch.equal(values, torch.tensor(floats).to(getattr(torch, embed_dtype)).float())
+
+
+def test_embedding_inputs_are_cut_as_asked(served: Served) -> None:
+    long = list(range(5, 305))  # longer than the model's context
+    body = {"model": MODEL, "input": long, "truncate_prompt_tokens": 16}
+    right = httpx.post(f"{served.url}/v1/embeddings", json=body).json()
+    assert right["usage"]["prompt_tokens"] == 16
+    first = httpx.post(f"{served.url}/v1/embeddings", json={"model": MODEL, "input": long[:16]}).json()
+    assert right["data"][0]["embedding"] == pytest.approx(first["data"][0]["embedding"], abs=1e-5)
+    left = {**body, "truncation_side": "left"}
+    last = httpx.post(f"{served.url}/v1/embeddings", json={"model": MODEL, "input": long[-16:]}).json()
+    got = httpx.post(f"{served.url}/v1/embeddings", json=left).json()["data"][0]["embedding"]
+    assert got == pytest.approx(last["data"][0]["embedding"], abs=1e-5)
+    fits = httpx.post(f"{served.url}/v1/embeddings", json={**body, "truncate_prompt_tokens": -1}).json()
+    assert fits["usage"]["prompt_tokens"] == served.engine.max_model_len - 1
 
 
 # ------------------------------------------------------------------------------ score and rerank

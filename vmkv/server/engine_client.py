@@ -132,10 +132,17 @@ class EngineClient:
             await stream.aclose()
 
     async def embed(
-        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> list[float]:
         """A pooling request's embedding."""
-        stream = self.llm.generate(prompt, params, request_id=request_id, cache_salt=cache_salt)
+        stream = self.llm.generate(
+            prompt, params, request_id=request_id, cache_salt=cache_salt, priority=priority
+        )
         try:
             async for output in stream:
                 if output.error is not None:

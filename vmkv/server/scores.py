@@ -8,43 +8,32 @@ which their clients and RAG frameworks call)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StrictInt, model_validator
 
-from vmkv.server.embeddings import MAX_INPUTS, EmbeddingServing
+from vmkv.server.embeddings import MAX_INPUTS, EmbeddingServing, PoolingFields, check_pooling_fields
 from vmkv.server.errors import bad_request
-from vmkv.server.protocol import MAX_REQUEST_ID_CHARS, OpenAIModel, Text, now
+from vmkv.server.protocol import Text, now
+from vmkv.server.refusals import check_supported
 
 Texts = Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
 SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
-# vLLM's fields for cross-encoders and score templates: a bi-encoder has nothing they could change
-CROSS_ENCODER_FIELDS = ("instruction", "chat_template_kwargs", "use_activation", "padding")
 
 
-class ScoringFields(OpenAIModel):
-    model: Text | None = None
-    user: Text | None = None
-    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = Field(
-        default=None, description="Keep this many tokens of each text (-1: all that fit), cut at its side."
-    )
-    truncation_side: Literal["left", "right"] = Field(
-        default="right", description="right keeps a text's first tokens, left its last."
-    )
+class ScoringFields(PoolingFields):
     max_tokens_per_query: Annotated[StrictInt, Field(ge=0)] = Field(
         default=0, description="vLLM's: cut each query to this many tokens (0: no cut)."
     )
     max_tokens_per_doc: Annotated[StrictInt, Field(ge=0)] = Field(
         default=0, description="vLLM's: cut each document to this many tokens (0: no cut)."
     )
-    request_id: Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)] | None = None
-    instruction: object = None
-    chat_template_kwargs: object = None
-    use_activation: object = None
-    padding: object = None
+    # vLLM's, for cross-encoders and score templates: refused when set
+    instruction: Any = None
+    chat_template_kwargs: Any = None
 
 
 class ScoreRequest(ScoringFields):
@@ -180,17 +169,18 @@ class ScoreServing(EmbeddingServing):
         """The cosine similarity of each (query, document) pair, a single query against every
         document, and the tokens embedded; or the answer to send when the client went away."""
         self.check_model(body.model)
-        for name in CROSS_ENCODER_FIELDS:
-            if getattr(body, name) is not None:
-                raise bad_request(
-                    f"{name} is for cross-encoder and templated scoring models; this server scores "
-                    "with its model's embeddings",
-                    name,
-                )
+        templated = "it is for templated scoring models; this server scores with its model's embeddings"
+        check_supported(
+            [
+                ("instruction", body.instruction is not None, templated),
+                ("chat_template_kwargs", body.chat_template_kwargs is not None, templated),
+            ]
+        )
+        check_pooling_fields(body)
         query_ids = [await self.tokens(text, body, body.max_tokens_per_query, "query") for text in queries]
         document_ids = [await self.tokens(t, body, body.max_tokens_per_doc, "documents") for t in documents]
         unique = list(dict.fromkeys(tuple(ids) for ids in query_ids + document_ids))
-        vectors = await self.embed_all(request, request_id, [list(ids) for ids in unique], None, "documents")
+        vectors = await self.embed_all(request, request_id, [list(ids) for ids in unique], body, "documents")
         if isinstance(vectors, Response):
             return vectors
         by_prompt = dict(zip(unique, vectors, strict=True))
@@ -200,12 +190,7 @@ class ScoreServing(EmbeddingServing):
         return similarity.tolist(), sum(len(ids) for ids in unique)
 
     async def tokens(self, text: str, body: ScoringFields, max_tokens: int, param: str) -> list[int]:
-        """The text's token ids, cut to max_tokens (0: no cut) and to truncate_prompt_tokens
-        (-1: as many as fit beside nothing generated), at truncation_side."""
-        ids = await self.encode(text, add_special_tokens=True, param=param)
-        keep = [limit for limit in (max_tokens, body.truncate_prompt_tokens) if limit]
-        if body.truncate_prompt_tokens == -1:
-            keep[-1] = self.engine.max_model_len - 1
-        if keep and len(ids) > min(keep):
-            ids = ids[: min(keep)] if body.truncation_side == "right" else ids[len(ids) - min(keep) :]
-        return self.check_length(ids, param)
+        """The text's token ids, cut as the request asks (EmbeddingServing.cut)."""
+        return self.cut(
+            await self.encode(text, add_special_tokens=True, param=param), body, max_tokens, param
+        )
