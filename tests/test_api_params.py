@@ -1484,6 +1484,13 @@ def test_a_response_takes_a_conversation_a_schema_and_returns_logprobs(client: o
         ({"max_output_tokens": 10_000}, "max_output_tokens"),
         ({"input": "x" * 100_000}, "input"),
         ({"text": {"format": {"type": "json_schema", "name": "f", "schema": {"type": "nonsense"}}}}, "text"),
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"max_tool_calls": 3}, "max_tool_calls"),
+        ({"extra_body": {"enable_response_messages": True}}, "enable_response_messages"),
+        ({"extra_body": {"previous_input_messages": []}}, "previous_input_messages"),
+        ({"extra_body": {"kv_transfer_params": {}}}, "kv_transfer_params"),
+        ({"extra_body": {"mm_processor_kwargs": {"x": 1}}}, "mm_processor_kwargs"),
+        ({"extra_body": {"watermarking": True}}, "watermarking"),
     ],
 )
 def test_response_fields_not_honoured_are_400s(
@@ -1493,6 +1500,23 @@ def test_response_fields_not_honoured_are_400s(
         client.responses.create(**{"model": MODEL, "input": "hi"} | extra)
     assert caught.value.body["param"] == param, caught.value.body
     assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+def test_a_responses_request_id_names_it_once_among_the_kept(client: openai.OpenAI) -> None:
+    kept = client.responses.create(
+        model=MODEL, input="hi", max_output_tokens=2, service_tier="default", extra_body={"request_id": "r-9"}
+    )
+    assert kept.id == "resp-r-9" and client.responses.retrieve("resp-r-9").id == "resp-r-9"
+    with pytest.raises(openai.BadRequestError) as caught:  # it would replace the kept one
+        client.responses.create(
+            model=MODEL, input="hi", max_output_tokens=2, extra_body={"request_id": "r-9"}
+        )
+    assert caught.value.body["param"] == "request_id"
+    unkept = client.responses.create(
+        model=MODEL, input="hi", max_output_tokens=2, store=False, extra_body={"request_id": "r-9"}
+    )
+    assert unkept.id == "resp-r-9"  # not kept: nothing to collide with
+    client.responses.delete("resp-r-9")
 
 
 def test_a_reasoning_parser_puts_the_thinking_in_a_reasoning_item(served: Served) -> None:

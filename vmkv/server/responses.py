@@ -35,7 +35,7 @@ from vmkv.server.protocol import (
     now,
 )
 from vmkv.server.reasoning import ReasoningStream, split_reasoning
-from vmkv.server.refusals import VERBOSITY, Refusal, check_supported
+from vmkv.server.refusals import MULTIMODAL, VERBOSITY, Refusal, check_supported
 from vmkv.server.response_store import ResponseStore, StoredResponse
 from vmkv.server.responses_protocol import (
     INCLUDE_LOGPROBS,
@@ -102,6 +102,21 @@ def response_refusals(body: ResponsesRequest, keeps: bool) -> list[Refusal]:
             any(item != INCLUDE_LOGPROBS for item in body.include or []),
             f"only {INCLUDE_LOGPROBS} can be included",
         ),
+        ("service_tier", body.service_tier not in ("auto", "default"), "this server has one tier"),
+        ("max_tool_calls", body.max_tool_calls is not None, "this server runs no built-in tools"),
+        ("enable_response_messages", bool(body.enable_response_messages), "the output items are the answer"),
+        (
+            "previous_input_messages",
+            body.previous_input_messages is not None,
+            "continue a kept response with previous_response_id",
+        ),
+        ("kv_transfer_params", body.kv_transfer_params is not None, "this server sends no KV to others"),
+        ("ec_transfer_params", body.ec_transfer_params is not None, "this server has no encoder cache"),
+        ("mm_payload", body.mm_payload not in (None, "tensors"), MULTIMODAL),
+        ("return_mm_kwargs", bool(body.return_mm_kwargs), MULTIMODAL),
+        ("mm_processor_kwargs", bool(body.mm_processor_kwargs), MULTIMODAL),
+        ("media_io_kwargs", bool(body.media_io_kwargs), MULTIMODAL),
+        ("watermarking", bool(body.watermarking), "this server marks no output"),
     ]
 
 
@@ -138,10 +153,17 @@ class ResponsesServing:
         conversation = body.chat_conversation(previous.conversation if previous else [])
         chat_body = body.as_chat(conversation)
         with params_renamed(CHAT_FIELDS):
-            chat_run = await self.chat.prepare(chat_body, id_prefix="resp")
+            chat_run = await self.chat.prepare(chat_body, id_prefix="resp", request=request)
         keep = self.store.enabled and body.store is not False
+        if (
+            keep and chat_run.request_id in self.store.entries
+        ):  # ids a caller chose (request_id, X-Request-Id)
+            raise bad_request(
+                f"a kept response already has the id {chat_run.request_id!r}; kept responses' ids are unique",
+                "request_id",
+            )
         run = ResponseRun(body, chat_body, chat_run, conversation, keep)
-        timer = self.chat.metrics.timer(run.id)
+        timer = self.chat.metrics.timer(run.id, body.session_id)
         if body.background:
             return self.start_in_background(run, timer)
         if body.stream:

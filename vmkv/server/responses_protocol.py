@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, StrictBool, StrictInt
 
 from vmkv.server.protocol import (
+    MAX_REQUEST_ID_CHARS,
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     ChatMessage,
@@ -148,10 +149,30 @@ class ResponsesRequest(SamplingExtensions):
     include_reasoning: StrictBool = Field(
         default=True, description="vLLM's: false leaves the reasoning item out."
     )
+    request_id: Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)] | None = Field(
+        default=None, description="vLLM's: the response's id (after resp-); the X-Request-Id header wins."
+    )
+    session_id: Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)] | None = Field(
+        default=None, description="vLLM's: a conversation's stable id, written in the request log line."
+    )
+    prompt_cache_key: Text | None = Field(
+        default=None, description="OpenAI's hint for its prompt cache; this server's finds prefixes itself."
+    )
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] = "auto"  # one tier: others refused
     # known and refused with a 400 when set (see docs/server.md)
     conversation: Any = None
     prompt: Any = None
     context_management: Any = None
+    max_tool_calls: Any = None
+    enable_response_messages: Any = None
+    previous_input_messages: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+    watermarking: Any = None
 
     @property
     def logprobs(self) -> bool:
@@ -212,6 +233,7 @@ class ResponsesRequest(SamplingExtensions):
             response_format = ResponseFormat(type=text_format.type, json_schema=schema)
         return ChatCompletionRequest(
             model=self.model,
+            request_id=self.request_id,
             messages=messages,
             max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature,
