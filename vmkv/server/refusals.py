@@ -9,6 +9,15 @@ from vmkv.server.protocol import ChatCompletionRequest, CompletionRequest, Sampl
 # (param, whether the request sets it, why it is refused): known fields not implemented here
 Refusal = tuple[str, bool, str]
 MULTIMODAL = "this server serves text models"
+MISSING_FEATURE_FIELDS = (
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "mm_payload",
+    "return_mm_kwargs",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+    "watermarking",
+)
 VERBOSITY = "the model's answers are as long as it makes them; only the default, medium, is accepted"
 
 
@@ -17,6 +26,21 @@ def check_supported(refusals: list[Refusal]) -> None:
     for param, is_set, reason in refusals:
         if is_set:
             raise bad_request(f"{param} is not supported: {reason}", param)
+
+
+def missing_feature_refusals(body: object) -> list[Refusal]:
+    """vLLM's fields for what this server does not have (KV or encoder-cache transfer between
+    servers, multimodal inputs, output watermarks), in whichever of them the request has."""
+    given = {name: getattr(body, name, None) for name in MISSING_FEATURE_FIELDS}
+    return [
+        ("kv_transfer_params", given["kv_transfer_params"] is not None, "this server sends no KV to others"),
+        ("ec_transfer_params", given["ec_transfer_params"] is not None, "this server has no encoder cache"),
+        ("mm_payload", given["mm_payload"] not in (None, "tensors"), MULTIMODAL),
+        ("return_mm_kwargs", bool(given["return_mm_kwargs"]), MULTIMODAL),
+        ("mm_processor_kwargs", bool(given["mm_processor_kwargs"]), MULTIMODAL),
+        ("media_io_kwargs", bool(given["media_io_kwargs"]), MULTIMODAL),
+        ("watermarking", bool(given["watermarking"]), "this server marks no output"),
+    ]
 
 
 def sampling_refusals(body: SamplingFields, fast_tokenizer: bool) -> list[Refusal]:
@@ -39,11 +63,7 @@ def sampling_refusals(body: SamplingFields, fast_tokenizer: bool) -> list[Refusa
             not body.spaces_between_special_tokens and not fast_tokenizer,
             "this model's tokenizer is a slow one, whose spacing of special tokens is not implemented",
         ),
-        ("kv_transfer_params", body.kv_transfer_params is not None, "this server sends no KV to others"),
-        ("ec_transfer_params", body.ec_transfer_params is not None, "this server has no encoder cache"),
-        ("mm_payload", body.mm_payload not in (None, "tensors"), MULTIMODAL),
-        ("return_mm_kwargs", bool(body.return_mm_kwargs), MULTIMODAL),
-        ("watermarking", bool(body.watermarking), "this server marks no output"),
+        *missing_feature_refusals(body),
         ("routed_experts_prompt_start", bool(body.routed_experts_prompt_start), "no routing is returned"),
         ("return_token_offsets", bool(body.return_token_offsets), "vLLM returns them from its render routes"),
     ]
@@ -86,8 +106,6 @@ def chat_refusals(body: ChatCompletionRequest, parses_calls: bool) -> list[Refus
             body.tool_choice == "auto" and not parses_calls,
             f'{no_parser}; use "required" or name a function',
         ),
-        ("mm_processor_kwargs", bool(body.mm_processor_kwargs), MULTIMODAL),
-        ("media_io_kwargs", bool(body.media_io_kwargs), MULTIMODAL),
         (
             "prompt_logprobs",
             body.stream and body.prompt_logprobs is not None,

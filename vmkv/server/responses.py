@@ -35,7 +35,7 @@ from vmkv.server.protocol import (
     now,
 )
 from vmkv.server.reasoning import ReasoningStream, split_reasoning
-from vmkv.server.refusals import MULTIMODAL, VERBOSITY, Refusal, check_supported
+from vmkv.server.refusals import VERBOSITY, Refusal, check_supported, missing_feature_refusals
 from vmkv.server.response_store import ResponseStore, StoredResponse
 from vmkv.server.responses_protocol import (
     INCLUDE_LOGPROBS,
@@ -110,13 +110,7 @@ def response_refusals(body: ResponsesRequest, keeps: bool) -> list[Refusal]:
             body.previous_input_messages is not None,
             "continue a kept response with previous_response_id",
         ),
-        ("kv_transfer_params", body.kv_transfer_params is not None, "this server sends no KV to others"),
-        ("ec_transfer_params", body.ec_transfer_params is not None, "this server has no encoder cache"),
-        ("mm_payload", body.mm_payload not in (None, "tensors"), MULTIMODAL),
-        ("return_mm_kwargs", bool(body.return_mm_kwargs), MULTIMODAL),
-        ("mm_processor_kwargs", bool(body.mm_processor_kwargs), MULTIMODAL),
-        ("media_io_kwargs", bool(body.media_io_kwargs), MULTIMODAL),
-        ("watermarking", bool(body.watermarking), "this server marks no output"),
+        *missing_feature_refusals(body),
     ]
 
 
