@@ -108,6 +108,9 @@ def test_the_server_takes_vllm_xargs_to_the_engine_process(tiny_model_dir: Path,
                 f"{server.url}/v1/chat/completions", json={**chat, "vllm_xargs": {"force_token": 66}}
             )
             assert answer.json()["choices"][0]["message"]["content"] == llm.tokenizer.decode([66] * 3)
+            message = {**chat, "vllm_xargs": {"force_token": 67}}  # Anthropic's Messages API, as vLLM's
+            blocks = httpx.post(f"{server.url}/v1/messages", json=message).json()["content"]
+            assert blocks == [{"type": "text", "text": llm.tokenizer.decode([67] * 3)}]
             refused = httpx.post(
                 f"{server.url}/v1/completions", json={**body, "vllm_xargs": {"force_token": -1}}
             )

@@ -325,6 +325,10 @@ BAD_REQUESTS = [
     ({"tools": [WEATHER]}, "tool_choice"),  # "auto" by default, and no tool-call parser here
     ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice"),  # no name
     ({"extra_body": {"mcp_servers": [{"type": "url", "url": "x", "name": "y"}]}}, "mcp_servers"),
+    ({"extra_body": {"speed": "fast"}}, "speed"),
+    ({"extra_body": {"inference_geo": "eu"}}, "inference_geo"),
+    ({"extra_body": {"kv_transfer_params": {}}}, "kv_transfer_params"),
+    ({"extra_body": {"vllm_xargs": {"x": [1, {}]}}}, "vllm_xargs"),  # no objects among its values
     ({"max_tokens": 5000}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "word " * 5000}]}, "messages"),
 ]

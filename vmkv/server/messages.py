@@ -33,7 +33,7 @@ from vmkv.server.messages_protocol import (
 from vmkv.server.metrics import RequestTimer
 from vmkv.server.protocol import ChatCompletionRequest, DeltaToolCall, TokenLogprob, ToolCall
 from vmkv.server.reasoning import ReasoningStream, split_reasoning
-from vmkv.server.refusals import Refusal, check_supported
+from vmkv.server.refusals import Refusal, check_supported, missing_feature_refusals
 from vmkv.server.responses import step_events
 from vmkv.server.serving import Choice, failure_status, new_choices, usage
 from vmkv.server.streaming import EventStreamResponse, typed_event
@@ -55,6 +55,10 @@ def messages_refusals(body: MessagesRequest) -> list[Refusal]:
     return [
         ("mcp_servers", body.mcp_servers is not None, "this server connects to no MCP servers"),
         ("container", body.container is not None, "this server runs no code containers"),
+        ("speed", body.speed == "fast", "this server has one speed, standard"),
+        ("inference_geo", body.inference_geo is not None, "this server runs where it is started"),
+        ("diagnostics", body.diagnostics is not None, "this server reports no request diagnostics"),
+        *missing_feature_refusals(body),
     ]
 
 

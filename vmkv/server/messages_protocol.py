@@ -289,9 +289,23 @@ class MessagesRequest(MessagesInput):
     cache_salt: NonEmptyText | None = Field(
         default=None, description="vLLM's: requests share cached prefixes only when their salts are equal."
     )
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = Field(
+        default=None, description="vLLM's: arguments for the server's --logits-processors."
+    )
+    cache_control: Any = Field(
+        default=None, description="Anthropic's prompt-cache marker: this server caches prefixes by itself."
+    )
     # known and refused with a 400 when set (see docs/server.md)
     mcp_servers: list[Any] | None = None
     container: Any = None
+    speed: Literal["standard", "fast"] | None = None  # only standard
+    inference_geo: Any = None
+    diagnostics: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    watermarking: Any = None
 
     def as_chat(self, reasoning_effort: str | None, thinking_budget: int | None) -> ChatCompletionRequest:
         """The same request as a chat completion."""
@@ -306,6 +320,7 @@ class MessagesRequest(MessagesInput):
             top_k=self.top_k,
             user=None if self.metadata is None else self.metadata.user_id,
             cache_salt=self.cache_salt,
+            vllm_xargs=self.vllm_xargs,
         )
 
 
