@@ -18,12 +18,14 @@ import pytest
 import torch
 import transformers
 from test_engine import SMALL_BUDGET, make_llm
-from test_server import MODEL, Served, live_server
+from test_server import MODEL, LiveServer, Served, live_server
 
 from vmkv import SamplingParams
 from vmkv.engine.config import KV_MODES
 from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids
 from vmkv.model.store import load_tokenizer
+from vmkv.server import build_app
+from vmkv.server.drain import Drain
 from vmkv.server.embeddings import checkpoint_pooling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -271,3 +273,17 @@ def test_truncation_cuts_each_text_before_it_is_embedded(served: Served) -> None
     assert by_doc.json()["data"][0]["score"] == pytest.approx(first["data"][0]["score"], abs=1e-5)
     fits = httpx.post(f"{served.url}/score", json={**cut, "truncate_prompt_tokens": -1}).json()
     assert fits["usage"]["prompt_tokens"] == len(served.engine.tokenizer("word")["input_ids"]) + 255
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"]
+)
+def test_a_drain_refuses_new_pooling_requests(served: Served, path: str) -> None:
+    drain = Drain(build_app(served.engine, MODEL))
+    bodies = {"embeddings": {"input": "x"}, "score": {"text_1": "a", "text_2": "b"}}
+    body = bodies.get(path.rsplit("/", 1)[1], {"query": "a", "documents": ["b"]})
+    with LiveServer(drain) as server:
+        assert httpx.post(f"{server.url}{path}", json=body).status_code == 200
+        drain.draining = True
+        refused = httpx.post(f"{server.url}{path}", json=body)
+    assert refused.status_code == 503 and refused.headers["retry-after"]

@@ -31,6 +31,11 @@ DRAINED_PATHS = (
     "/v1/responses",
     "/v1/messages",
     "/v1/embeddings",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
     "/health",
 )
 
