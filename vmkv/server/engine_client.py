@@ -9,6 +9,7 @@ request and frees its KV.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from vmkv.engine import (
     DataParallelLLM,
     EngineDead,
     EngineStats,
+    RequestOutput,
     SamplingParams,
 )
 from vmkv.engine.outputs import PromptLogprob
@@ -101,13 +103,8 @@ class EngineClient:
         its first are held until `stream_interval` of them have come (or it ends)."""
         sent: dict[int, _Sent] = {}
         prompt_logprobs_sent = False
-        stream = self.llm.generate(
-            prompt, params, request_id=request_id, cache_salt=cache_salt, priority=priority
-        )
-        try:
-            async for output in stream:
-                if output.error is not None:
-                    raise RequestFailed(output.error)
+        async with aclosing(self._outputs(request_id, prompt, params, cache_salt, priority)) as outputs:
+            async for output in outputs:
                 deltas = [
                     delta
                     for sample in output.outputs
@@ -126,10 +123,6 @@ class EngineClient:
                     for delta in deltas:
                         delta.prompt_logprobs = output.prompt_logprobs
                 yield deltas
-        except EngineDead as error:
-            raise _engine_dead(str(error)) from error
-        finally:
-            await stream.aclose()
 
     async def embed(
         self,
@@ -140,6 +133,22 @@ class EngineClient:
         priority: int = 0,
     ) -> list[float]:
         """A pooling request's embedding."""
+        async with aclosing(self._outputs(request_id, prompt, params, cache_salt, priority)) as outputs:
+            async for output in outputs:
+                if output.finished:
+                    return output.embedding
+        raise RequestFailed(f"request {request_id} ended without its embedding")
+
+    async def _outputs(
+        self,
+        request_id: str,
+        prompt: list[int] | torch.Tensor,
+        params: SamplingParams,
+        cache_salt: str | None,
+        priority: int,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's cumulative outputs: RequestFailed for one the engine failed,
+        EngineDeadError once the engine has stopped; leaving early aborts it."""
         stream = self.llm.generate(
             prompt, params, request_id=request_id, cache_salt=cache_salt, priority=priority
         )
@@ -147,13 +156,11 @@ class EngineClient:
             async for output in stream:
                 if output.error is not None:
                     raise RequestFailed(output.error)
-                if output.finished:
-                    return output.embedding
+                yield output
         except EngineDead as error:
             raise _engine_dead(str(error)) from error
         finally:
             await stream.aclose()
-        raise RequestFailed(f"request {request_id} ended without its embedding")
 
     async def control(self, name: str, *args: object) -> object:
         """An operator's call between engine steps (LLMEngine.control): reset_prefix_cache
