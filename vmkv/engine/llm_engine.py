@@ -99,7 +99,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)  # process-wide: the engine owns its process
         self.model_path = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_path)
-        processor_classes = [logits_processor_class(name) for name in config.logits_processors]  # fail early
+        # the custom logits processors' classes: a name that cannot be used fails before the model loads
+        self._processor_classes = [logits_processor_class(name) for name in config.logits_processors]
         # tensor parallelism: this process is rank 0, with the one scheduler and KV manager
         self.tp = None
         if config.tensor_parallel_size > 1:
@@ -137,7 +138,7 @@ class LLMEngine:
             takes_prompt_embeds=self.tp is None,
         )
         device, vocab_size = self.runner.device, self.runner.vocab_size
-        self.logits_processors = [processor(vocab_size, device) for processor in processor_classes]
+        self.logits_processors = [processor(vocab_size, device) for processor in self._processor_classes]
         self.sampler = Sampler(config.seed, device, self.info.eos_token_ids, self.logits_processors)
         # structured-output grammars compile on a worker thread; their requests wait there
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.info.eos_token_ids)
@@ -231,7 +232,7 @@ class LLMEngine:
     ) -> tuple[str | None, list[int]]:
         """Tokenize and check a request without touching engine state (safe from any thread);
         returns (prompt text or None, prompt token ids) or raises RequestRejected."""
-        check_extra_args([type(p) for p in self.logits_processors], params)
+        check_extra_args(self._processor_classes, params)
         return self.info.validate(self.tokenizer, prompt, params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -339,7 +340,7 @@ class LLMEngine:
         return not self.asleep
 
     def resume(self) -> None:
-        """Schedule again, the held requests after those already queued. Raises RuntimeError
+        """Schedule again, the held requests after those already queued. Raises ControlRefused
         while memory is asleep (wake_up first)."""
         if self.asleep:
             raise ControlRefused(f"the engine is asleep ({', '.join(sorted(self.asleep))}): wake it up first")
