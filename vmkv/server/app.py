@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from vmkv.server.chat import ChatServing
 from vmkv.server.completions import CompletionServing
-from vmkv.server.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
+from vmkv.server.embeddings import EmbeddingRequest, EmbeddingResponse
 from vmkv.server.engine_client import EngineClient, EngineDeadError
 from vmkv.server.errors import APIError, error_response, install_error_handlers
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, APIKeyGuard, BodySizeLimit, RequestIdHeaders
@@ -156,10 +156,8 @@ def build_app(
     store = response_store or ResponseStore(int(DEFAULT_STORE_MIB * 2**20))
     responses = ResponsesServing(chat, store)
     messages = MessagesServing(chat)
-    embeddings = EmbeddingServing(
-        engine, served_model_name, serving_metrics, limits, pooling=embedding_pooling
-    )
-    scores = ScoreServing(engine, served_model_name, serving_metrics, limits, pooling=embedding_pooling)
+    # /v1/embeddings, /score and /rerank: one serving, as they embed alike
+    pooling = ScoreServing(engine, served_model_name, serving_metrics, limits, pooling=embedding_pooling)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -221,20 +219,20 @@ def build_app(
 
     @api.post("/v1/embeddings", response_model=None, responses={200: {"model": EmbeddingResponse}})
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
-        return await embeddings.create(body, request)
+        return await pooling.create(body, request)
 
     @api.post("/score", response_model=None, responses={200: {"model": ScoreResponse}})
     @api.post("/v1/score", response_model=None, responses={200: {"model": ScoreResponse}})
     async def create_score(body: ScoreRequest, request: Request) -> Response:
         """vLLM's: the cosine similarity of the two sides' embeddings, pair by pair."""
-        return await scores.score(body, request)
+        return await pooling.score(body, request)
 
     @api.post("/rerank", response_model=None, responses={200: {"model": RerankResponse}})
     @api.post("/v1/rerank", response_model=None, responses={200: {"model": RerankResponse}})
     @api.post("/v2/rerank", response_model=None, responses={200: {"model": RerankResponse}})
     async def rerank(body: RerankRequest, request: Request) -> Response:
         """vLLM's (Jina's and Cohere's shape): documents by their embeddings' similarity to the query."""
-        return await scores.rerank(body, request)
+        return await pooling.rerank(body, request)
 
     anthropic_errors = {status: {"model": AnthropicErrorResponse} for status in ERROR_RESPONSES}
 

@@ -118,6 +118,8 @@ def as_list(texts: str | list[str]) -> list[str]:
 
 
 class ScoreServing(EmbeddingServing):
+    """/v1/embeddings (the base's create) and, over the same embeddings, /score and /rerank."""
+
     async def score(self, body: ScoreRequest, request: Request) -> Response:
         queries, documents = body.sides()
         if len(queries) != 1 and len(queries) != len(documents):
