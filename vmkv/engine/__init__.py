@@ -8,6 +8,7 @@ from vmkv.engine.errors import RequestRejected
 from vmkv.engine.llm import LLM
 from vmkv.engine.llm_engine import EngineStats, LLMEngine
 from vmkv.engine.logits_processors import LogitsProcessor
+from vmkv.engine.lora import LoRARequest
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.sequence import FinishReason, RequestStatus
@@ -25,6 +26,7 @@ __all__ = [
     "FinishReason",
     "LLMEngine",
     "LogitsProcessor",
+    "LoRARequest",
     "RequestMetrics",
     "RequestOutput",
     "RequestRejected",

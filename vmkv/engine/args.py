@@ -203,6 +203,34 @@ def add_engine_arguments(
         help="custom logits processors (vmkv.engine.LogitsProcessor subclasses), made at start; "
         "requests opt in with vllm_xargs (docs/engine.md)",
     )
+    add(
+        "enable_lora",
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_lora,
+        help='serve LoRA adapters: requests may name one (docs/engine.md, "LoRA adapters")',
+    )
+    add(
+        "max_loras",
+        "--max-loras",
+        type=positive_int,
+        default=d.max_loras,
+        help="distinct adapters in one step",
+    )
+    add(
+        "max_lora_rank",
+        "--max-lora-rank",
+        type=positive_int,
+        default=d.max_lora_rank,
+        help="the largest rank an adapter may have",
+    )
+    add(
+        "max_cpu_loras",
+        "--max-cpu-loras",
+        type=positive_int,
+        default=d.max_cpu_loras,
+        help="adapters kept loaded, least recently used let go of first (default: --max-loras)",
+    )
     missing = {f.name for f in dataclasses.fields(EngineConfig)} - named
     assert not missing, f"EngineConfig fields without a flag: {missing}"
 
@@ -292,4 +320,13 @@ def engine_flags(config: EngineConfig) -> list[str]:
         out.append("--fp32-gemm" if config.fp32_gemm else "--no-fp32-gemm")
     if config.logits_processors:
         out += ["--logits-processors", *config.logits_processors]
+    if config.enable_lora:
+        out += [
+            "--enable-lora",
+            "--max-loras",
+            str(config.max_loras),
+            "--max-lora-rank",
+            str(config.max_lora_rank),
+        ]
+        out += ["--max-cpu-loras", str(config.max_cpu_loras)]
     return out

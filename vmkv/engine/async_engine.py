@@ -24,6 +24,7 @@ from vmkv.engine.config import EngineConfig
 from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.llm_engine import KV_STATS_MAX_AGE, EngineStats, LLMEngine
+from vmkv.engine.lora import LoRARequest
 from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 
@@ -96,6 +97,7 @@ class AsyncLLM:
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after every step that advanced it, until finished.
 
@@ -103,10 +105,12 @@ class AsyncLLM:
         if the engine thread has stopped or stops meanwhile. Closing the iterator early (client
         gone, cancellation) aborts the request and frees its KV. Cached prefixes are shared only
         among requests with the same cache_salt; under the priority policy a lower priority
-        runs first.
+        runs first; lora_request runs it with that LoRA adapter.
         """
         request_id = request_id or uuid.uuid4().hex
-        stream = self._open_stream(request_id, prompt, params or SamplingParams(), cache_salt, priority)
+        stream = self._open_stream(
+            request_id, prompt, params or SamplingParams(), cache_salt, priority, lora_request
+        )
         finished = False
         try:
             async for item in outputs_until_finished(stream.queue):
@@ -125,6 +129,7 @@ class AsyncLLM:
         params: SamplingParams,
         cache_salt: str | None,
         priority: int,
+        lora_request: LoRARequest | None,
     ) -> _Stream:
         """Validate in the caller's thread (raises RequestRejected), then queue the request."""
         self.info.check_priority(priority)
@@ -137,7 +142,8 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, prompt if text is None else text, params, cache_salt, priority))
+        prompt = prompt if text is None else text
+        self._inbox.put(("add", request_id, prompt, params, cache_salt, priority, lora_request))
         self._wake.set()
         return stream
 
@@ -237,9 +243,9 @@ class AsyncLLM:
                 for out in self.engine.control(name, args, partial(_answer, done)):
                     self._deliver(out)
             elif message[0] == "add":
-                _, request_id, prompt, params, cache_salt, priority = message
+                _, request_id, prompt, params, cache_salt, priority, lora_request = message
                 try:
-                    self.engine.add_request(request_id, prompt, params, cache_salt, priority)
+                    self.engine.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
                 except RequestRejected as exc:
                     self._deliver_error(request_id, exc)
             else:

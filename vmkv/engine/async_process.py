@@ -54,6 +54,7 @@ from vmkv.engine.ipc import (
 )
 from vmkv.engine.llm_engine import EngineStats
 from vmkv.engine.logits_processors import check_extra_args, logits_processor_class
+from vmkv.engine.lora import LoRARequest
 from vmkv.engine.output_processor import RequestState
 from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.prompt_embeds import EmbedsPayload, prompt_rows
@@ -147,6 +148,7 @@ class AsyncProcessLLM:
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncLLM.generate: the request's cumulative output after every step that advanced it.
 
@@ -172,7 +174,9 @@ class AsyncProcessLLM:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             payload = None if embeds is None else EmbedsPayload.of(embeds)
-            self._send_locked(AddRequest(request_id, prompt_ids, params, cache_salt, priority, payload))
+            self._send_locked(
+                AddRequest(request_id, prompt_ids, params, cache_salt, priority, payload, lora_request)
+            )
         finished = False
         try:
             async for item in outputs_until_finished(stream.queue):

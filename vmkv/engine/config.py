@@ -75,6 +75,13 @@ class EngineConfig:
     # Custom logits processors, "package.module:Class" each (vmkv.engine.logits_processors),
     # made once at start in the engine's process; requests opt in through their extra_args.
     logits_processors: tuple[str, ...] = ()
+    # LoRA adapters (vmkv.engine.lora): requests may name one; every linear layer of the decoder
+    # then adds its adapters' terms to their rows. max_loras: distinct adapters in one step;
+    # max_lora_rank: the largest rank an adapter may have; max_cpu_loras: adapters kept loaded.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -96,6 +103,8 @@ class EngineConfig:
             "max_num_batched_tokens",
             "block_size",
             "tensor_parallel_size",
+            "max_loras",
+            "max_lora_rank",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -123,6 +132,15 @@ class EngineConfig:
         self.logits_processors = tuple(self.logits_processors)
         if not all(isinstance(name, str) and name for name in self.logits_processors):
             raise ValueError(f"logits_processors must be class names, got {self.logits_processors!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        cpu_loras = self.max_cpu_loras
+        if isinstance(cpu_loras, bool) or not isinstance(cpu_loras, int) or cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu_loras!r}"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.compile_model:
             raise ValueError("compile_model is not supported with tensor_parallel_size > 1 yet")
         if self.max_num_batched_tokens < self.max_num_seqs:

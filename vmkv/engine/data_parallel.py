@@ -29,6 +29,7 @@ from vmkv.engine.async_process import AsyncProcessLLM
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.errors import RequestRejected
 from vmkv.engine.llm_engine import EngineStats
+from vmkv.engine.lora import LoRARequest
 from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.prompt_embeds import embeds_cache_salt, prompt_rows
 from vmkv.engine.sampling_params import SamplingParams
@@ -170,6 +171,7 @@ class DataParallelLLM:
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncProcessLLM.generate, on the replica the router picks."""
         params = params or SamplingParams()
@@ -184,6 +186,8 @@ class DataParallelLLM:
             salt = cache_salt
             if isinstance(prompt, torch.Tensor):  # placeholders: the embeddings' digest tells prompts apart
                 salt = embeds_cache_salt(prompt_rows(prompt), cache_salt)
+            if lora_request is not None:  # the replica keys the adapter's prefixes apart too
+                salt = f"{salt or ''}|lora:{lora_request.lora_name}"
             chain = self.router.chain(prompt_ids, salt)
             index = self.router.pick(chain, [r.load for r in self._replicas])
             self.router.record(index, chain)
@@ -192,7 +196,8 @@ class DataParallelLLM:
         replica.load += cost
         self._where[request_id] = replica
         try:
-            async for output in replica.llm.generate(prompt, params, request_id, cache_salt, priority):
+            generation = replica.llm.generate(prompt, params, request_id, cache_salt, priority, lora_request)
+            async for output in generation:
                 yield output
         finally:
             replica.load -= cost

@@ -128,10 +128,10 @@ class EngineCore:
     def apply(self, command: Command) -> list[RequestOutput | RequestUpdate]:
         engine = self.engine
         match command:
-            case AddRequest(request_id, prompt_ids, params, cache_salt, priority, embeds):
+            case AddRequest(request_id, prompt_ids, params, cache_salt, priority, embeds, lora_request):
                 prompt = prompt_ids if embeds is None else embeds.tensor()
                 try:
-                    engine.add_request(request_id, prompt, params, cache_salt, priority)
+                    engine.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
                 except RequestRejected as error:
                     refusal = {"rejected": str(error), "rejected_param": error.param}
                     return [RequestUpdate(request_id, [], finished=True, **refusal)]

@@ -21,6 +21,7 @@ import msgspec
 from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.errors import ControlRefused
 from vmkv.engine.llm_engine import EngineStats
+from vmkv.engine.lora import LoRARequest
 from vmkv.engine.outputs import PromptLogprob
 from vmkv.engine.prompt_embeds import EmbedsPayload
 from vmkv.engine.sampling_params import SamplingParams
@@ -33,6 +34,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     cache_salt: str | None
     priority: int = 0
     prompt_embeds: EmbedsPayload | None = None  # the prompt itself, its token ids placeholders
+    lora_request: LoRARequest | None = None
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

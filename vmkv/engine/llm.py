@@ -9,6 +9,7 @@ import torch
 
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
+from vmkv.engine.lora import LoRARequest
 from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list (text, token ids, or embeddings: a [tokens, hidden]
         tensor, or vLLM's {"prompt_embeds": tensor}); outputs come in prompt order.
@@ -40,6 +42,7 @@ class LLM:
         Every request is validated before any runs, so a rejected one (RequestRejected)
         leaves the engine untouched. Cached prefixes are shared only among requests with the
         same cache_salt. `priority`, one per prompt, orders them under the priority policy.
+        lora_request runs every prompt with that LoRA adapter, or, a list, each with its own.
         """
         if self.engine.paused is not None:
             raise RuntimeError("the engine is asleep: call wake_up() first")
@@ -53,12 +56,18 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p, rank in zip(prompts, params, priorities, strict=True):
+            for prompt, p, rank, lora in zip(prompts, params, priorities, loras, strict=True):
                 request_id = str(self._next_id)
                 self._next_id += 1
-                self.engine.add_request(request_id, prompt, p, cache_salt, rank)
+                self.engine.add_request(request_id, prompt, p, cache_salt, rank, lora)
                 ids.append(request_id)
         except BaseException:
             for request_id in ids:

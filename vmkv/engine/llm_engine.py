@@ -25,6 +25,7 @@ from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.errors import ControlRefused, RequestRejected
 from vmkv.engine.kv_factory import build_kv_cache
 from vmkv.engine.logits_processors import check_extra_args, logits_processor_class
+from vmkv.engine.lora import LoRAAdapter, LoRARequest
 from vmkv.engine.model_runner import ModelRunner
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.prompt_embeds import embeds_cache_salt, prompt_rows, text_context
@@ -175,6 +176,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> SequenceGroup:
         """Queue a request; raises RequestRejected if it could never be served. A prompt is
         text, token ids, or a [tokens, hidden] tensor of embeddings (prompt_embeds.py).
@@ -182,6 +184,7 @@ class LLMEngine:
         Requests share cached prompt prefixes only when their cache_salt is equal, so a
         tenant's salt keeps others from learning (by timing) what it has sent. Under the
         priority scheduling policy a lower priority runs first (and is preempted last).
+        lora_request runs it with that LoRA adapter, read from its path if not loaded (lora.py).
         """
         params = params or SamplingParams()
         if request_id in self._groups:
@@ -194,6 +197,9 @@ class LLMEngine:
         if isinstance(prompt, torch.Tensor):  # validated above
             embeds = prompt_rows(prompt)
             cache_salt = embeds_cache_salt(embeds, cache_salt)
+        lora = self._lora_adapter(lora_request)
+        if lora is not None:  # another adapter's KV differs: share only within this load of it
+            cache_salt = f"{cache_salt or ''}|lora:{lora.uid}"
         if params.prompt_logprobs is not None or params.pooling == "mean":
             # a cached token has no logits or hidden states: share nothing
             cache_salt = f"computed-whole:{uuid.uuid4().hex}"
@@ -208,6 +214,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             priority=priority,
             prompt_embeds=embeds,
+            lora=lora,
         )
         if params.use_beam_search:
             ends = self._ends_hypothesis(params)
@@ -220,6 +227,38 @@ class LLMEngine:
         else:
             self._submit(group)
         return group
+
+    def _lora_adapter(self, request: LoRARequest | None) -> LoRAAdapter | None:
+        if request is None:
+            return None
+        if not isinstance(request, LoRARequest):
+            raise RequestRejected(
+                f"lora_request must be a LoRARequest, got {type(request).__name__}", "model"
+            )
+        if self.runner.loras is None:
+            raise RequestRejected(
+                f"LoRA adapter {request.lora_name!r} asked for, but this engine serves none (enable_lora)",
+                "model",
+            )
+        try:
+            return self.runner.loras.get(request)
+        except ValueError as error:
+            raise RequestRejected(str(error), "model") from None
+
+    def add_lora(self, request: LoRARequest) -> str:
+        """Load an adapter now (a request naming it would load it anyway); ValueError names what
+        does not fit. Returns its name."""
+        if self.runner.loras is None:
+            raise ValueError("this engine serves no LoRA adapters (enable_lora)")
+        return self.runner.loras.get(request).name
+
+    def remove_lora(self, name: str) -> bool:
+        """Let go of a loaded adapter (requests running with it finish with it); whether it was loaded."""
+        return self.runner.loras is not None and self.runner.loras.remove(name)
+
+    def list_loras(self) -> list[str]:
+        """The adapters loaded, least recently used first."""
+        return [] if self.runner.loras is None else self.runner.loras.names()
 
     def _submit(self, group: SequenceGroup) -> None:
         if group.params.structured is not None:
@@ -354,10 +393,10 @@ class LLMEngine:
 
     def control(self, name: str, args: SequenceABC[object], answer: Answer) -> list[RequestOutput]:
         """Run an operator's call between steps (pause, sleep, wake_up, resume, reset_prefix_cache,
-        state) and answer it with (result, None) or (None, error): at once, or for pause and sleep
-        in wait mode once the requests in flight are done (the loop driving the engine calls
-        settle() after every step and every batch of commands). Returns the outputs the call
-        ended (aborted requests)."""
+        add_lora, remove_lora, list_loras, state) and answer it with (result, None) or (None,
+        error): at once, or for pause and sleep in wait mode once the requests in flight are done
+        (the loop driving the engine calls settle() after every step and every batch of
+        commands). Returns the outputs the call ended (aborted requests)."""
         outputs: list[RequestOutput] = []
         try:
             match name, *args:
@@ -374,6 +413,12 @@ class LLMEngine:
                     answer(self.resume(), None)
                 case ("reset_prefix_cache",):
                     answer(self.reset_prefix_cache(), None)
+                case "add_lora", lora_name, lora_path:
+                    answer(self.add_lora(LoRARequest(lora_name, 1, lora_path)), None)
+                case "remove_lora", lora_name:
+                    answer(self.remove_lora(lora_name), None)
+                case ("list_loras",):
+                    answer(self.list_loras(), None)
                 case ("state",):
                     answer({"paused": self.paused is not None, "asleep": sorted(self.asleep)}, None)
                 case _:
@@ -663,6 +708,7 @@ class LLMEngine:
             logprobs=None if group.params.logprobs is None else [],
             thinking=group.params.end_of_thinking is not None,
             prompt_embeds=group.prompt_embeds,
+            lora=group.lora,
         )
         self._next_seq_id += 1
         group.seqs.append(seq)

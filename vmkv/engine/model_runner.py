@@ -20,6 +20,8 @@ from vmkv.engine.attention_hook import ATTENTION_NAME, step_context
 from vmkv.engine.compiled import compile_decoder, compiled_stance
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.cpu_linear import linear_packing, pack_linears, packed_logits
+from vmkv.engine.lora import LoRAAdapters
+from vmkv.engine.lora_layers import LoRALayers, lora_step, step_plan
 from vmkv.engine.outputs import PromptLogprob
 from vmkv.engine.scheduler import ScheduledSeq
 from vmkv.engine.sleep import ReleasedWeights, refill_weights
@@ -51,10 +53,19 @@ class ModelRunner:
         )
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", None)
         self._positions = torch.arange(config.max_num_batched_tokens, device=self.device)
+        # hooked before compiling, so the compiled graphs carry the LoRA op
+        self.loras = self._lora_adapters(config) if config.enable_lora else None
         compiled = compile_decoder(self.decoder, self.device) if config.compile_model else None
         self.compiled = compiled is not None
         self._forward = self.decoder if compiled is None else compiled
         self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
+
+    def _lora_adapters(self, config: EngineConfig) -> LoRAAdapters:
+        """The model's linears hooked for LoRA, and the set adapters are loaded into: float32
+        on the CPU (their thin GEMMs, lora_layers.py), the model's dtype elsewhere."""
+        dtype = torch.float32 if self.device.type == "cpu" else config.torch_dtype
+        slots = LoRALayers(self.model).slots
+        return LoRAAdapters(slots, config.max_lora_rank, config.max_cpu_loras, dtype, self.device)
 
     def reload_weights(self, released: ReleasedWeights) -> None:
         """Read weights sleep.release_weights let go of from the checkpoint, prepared as at start.
@@ -96,10 +107,16 @@ class ModelRunner:
             )
 
         embeds = self._prompt_embeds(scheduled, input_ids, batch.query_start)
+        adapters = [s.seq.lora for s in scheduled]
+        loras = step_plan(adapters, batch.query_start.tolist(), self.device) if any(adapters) else []
         plan = cache.prepare(batch)
         if self._faults is not None:
             self._faults.on_forward()
-        with step_context(cache, plan), compiled_stance() if self.compiled else nullcontext():
+        with (
+            step_context(cache, plan),
+            lora_step(loras),
+            compiled_stance() if self.compiled else nullcontext(),
+        ):
             if embeds is None:
                 hidden = self._forward(
                     input_ids=input_ids[None], position_ids=positions[None], use_cache=False

@@ -6,7 +6,9 @@ which sequences run and how many tokens each writes:
 1. running groups that decode (one token per sample), then running groups still
    prefilling (a chunk each), under the step's token budget;
 2. if nothing was preempted this step: swapped groups back in, then waiting groups
-   (preempted ones first, all in queue order), while sequences, tokens and KV last.
+   (preempted ones first, all in queue order), while sequences, tokens and KV last; a
+   group whose LoRA adapter would make more than max_loras distinct adapters in the step
+   is passed over (it keeps its place; later ones may go first).
 
 Before a sequence is scheduled the cache must have room for every token the step writes
 (fork, grow). When it has not, the running group last in queue order is preempted,
@@ -179,6 +181,8 @@ class Scheduler:
         seats = self.config.max_num_seqs - self.num_running_seqs
         upcoming: list[UpcomingPrompt] = []
         for group in self.waiting:
+            if not self._lora_fits(group):
+                continue
             if budget <= 0 or group.num_seq_slots > seats:
                 break
             upcoming += [UpcomingPrompt(seq.token_ids, group.cache_salt) for seq in group.live_seqs]
@@ -278,7 +282,9 @@ class Scheduler:
     def _resume_swapped(self, budget: int, planned: dict[SequenceGroup, list[ScheduledSeq]]) -> int:
         while self.swapped and budget > 0:
             group = self.swapped[0]
-            if self.num_running_seqs + group.num_seq_slots > self.config.max_num_seqs:
+            if self.num_running_seqs + group.num_seq_slots > self.config.max_num_seqs or not self._lora_fits(
+                group
+            ):
                 break
             try:
                 self.cache.swap_in([s.seq_id for s in group.seqs if s.num_allocated])
@@ -295,8 +301,12 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, planned: dict[SequenceGroup, list[ScheduledSeq]], out: SchedulerOutput
     ) -> None:
-        while self.waiting and budget > 0:
-            group = self.waiting[0]
+        head = 0  # the first waiting group not passed over for its LoRA adapter
+        while head < len(self.waiting) and budget > 0:
+            group = self.waiting[head]
+            if not self._lora_fits(group):  # vLLM's rule: later requests may go first
+                head += 1
+                continue
             if self.num_running_seqs + group.num_seq_slots > self.config.max_num_seqs:
                 break
             alone = not self.running and not self.swapped
@@ -308,11 +318,19 @@ class Scheduler:
                     continue  # failed: finish() took it off the queue
                 break
             group.alone_failures = 0
-            self.waiting.pop(0)
+            self.waiting.pop(head)
             self._start(group)
             plan = self._plan(group, budget)
             planned[group] = plan
             budget -= sum(s.num_new for s in plan)
+
+    def _lora_fits(self, group: SequenceGroup) -> bool:
+        """Whether the group may run beside the running ones: at most max_loras distinct LoRA
+        adapters run in one step, which bounds each step's LoRA work."""
+        if group.lora is None:
+            return True
+        running = {id(g.lora) for g in self.running if g.lora is not None}
+        return id(group.lora) in running or len(running) < self.config.max_loras
 
     def _admit(self, group: SequenceGroup) -> bool:
         """Admit every live sample (one, or each sample of a recomputed group), all or none."""

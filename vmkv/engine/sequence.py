@@ -20,6 +20,7 @@ from vmkv.engine.structured_output import GrammarState
 
 if TYPE_CHECKING:
     from vmkv.engine.beam_search import BeamSearch
+    from vmkv.engine.lora import LoRAAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -65,6 +66,7 @@ class Sequence:
     # True until the output ends with params.end_of_thinking: no constraint holds before it
     thinking: bool = False
     prompt_embeds: torch.Tensor | None = None  # its request's, fed for the prompt's positions
+    lora: LoRAAdapter | None = None  # its request's adapter
 
     @property
     def num_output(self) -> int:
@@ -115,6 +117,7 @@ class SequenceGroup:
     pooled: torch.Tensor | None = None
     pooled_tokens: int = 0
     embedding: list[float] | None = None
+    lora: LoRAAdapter | None = None  # the adapter its samples run with (None: the base model)
     stop_hold: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ architectures through transformers' attention interface without touching their c
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -119,4 +120,44 @@ def build_tiny_model(
     model = model_class(config).to(torch.bfloat16)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def build_tiny_lora(
+    model_dir: str | Path,
+    path: str | Path,
+    rank: int = 4,
+    alpha: float = 8.0,
+    targets: tuple[str, ...] = ("q_proj", "v_proj", "down_proj"),
+    seed: int = 1,
+) -> Path:
+    """Write a random LoRA adapter for the checkpoint in `model_dir` as PEFT saves one
+    (adapter_config.json, adapter_model.safetensors), for the modules whose names end with
+    `targets`. B is drawn random too (PEFT starts it at zero), so the adapter changes outputs."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in targets:
+            prefix = f"base_model.model.{name}"
+            a = torch.randn(rank, module.in_features, generator=generator) * 0.2
+            b = torch.randn(module.out_features, rank, generator=generator) * 0.2
+            tensors[f"{prefix}.lora_A.weight"] = a.to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = b.to(torch.bfloat16)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(targets),
+        "bias": "none",
+        "base_model_name_or_path": str(model_dir),
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path
