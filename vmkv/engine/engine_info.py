@@ -30,6 +30,7 @@ class EngineInfo:
     scheduling_policy: str = "fcfs"
     hidden_size: int = 0  # the width of a prompt given as embeddings
     takes_prompt_embeds: bool = True  # False under tensor parallelism: its workers read token ids
+    max_loras: int = 0  # distinct LoRA adapters in a step; 0: the engine serves none
 
     def prompt_token_ids(
         self, tokenizer: object, prompt: str | Sequence[int]

@@ -91,6 +91,9 @@ class EngineStats:
     kv_stats: KVStats
     paused: int = 0  # 1 while paused or asleep (sleep.py)
     sleep_level: int = 0  # 1: the KV cache's memory given back, 2: the weights' too
+    # the LoRA adapters of running and of waiting requests, by name (LoRA-aware routers read them)
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 class LLMEngine:
@@ -137,6 +140,7 @@ class LLMEngine:
             scheduling_policy=config.scheduling_policy,
             hidden_size=self.runner.hidden_size,
             takes_prompt_embeds=self.tp is None,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
         device, vocab_size = self.runner.device, self.runner.vocab_size
         self.logits_processors = [processor(vocab_size, device) for processor in self._processor_classes]
@@ -593,6 +597,8 @@ class LLMEngine:
             kv_stats=kv.stats,
             paused=int(self.paused is not None),
             sleep_level=self.sleep_level,
+            running_loras=_lora_names(sched.running),
+            waiting_loras=_lora_names(sched.waiting),
         )
 
     def check_health(self) -> None:
@@ -948,6 +954,10 @@ def sample_seed(seed: int, index: int) -> int:
 def _advance(scheduled: list[ScheduledSeq]) -> None:
     for item in scheduled:
         item.seq.num_computed += item.num_new
+
+
+def _lora_names(groups: Iterable[SequenceGroup]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(group.lora.name for group in groups if group.lora is not None))
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: object) -> frozenset[int]:

@@ -11,6 +11,7 @@ from typing import Literal
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from vmkv.engine import LoRARequest
 from vmkv.server.chat import ChatServing
 from vmkv.server.completions import CompletionServing
 from vmkv.server.embeddings import EmbeddingRequest, EmbeddingResponse
@@ -18,6 +19,7 @@ from vmkv.server.engine_client import EngineClient, EngineDeadError
 from vmkv.server.errors import APIError, error_response, install_error_handlers
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES, APIKeyGuard, BodySizeLimit, RequestIdHeaders
 from vmkv.server.limits import RequestLimits
+from vmkv.server.lora_routes import lora_router
 from vmkv.server.messages import MessagesServing
 from vmkv.server.messages_protocol import (
     AnthropicErrorResponse,
@@ -110,6 +112,7 @@ def build_app(
     log_requests: bool = False,
     enable_sleep_mode: bool = False,
     enable_tokenizer_info: bool = False,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """An app serving `engine` under the name `served_model_name`.
 
@@ -127,13 +130,16 @@ def build_app(
     out in chunks of at least `stream_interval` (a request may ask for more). With
     `log_requests`, every finished request logs one line (its id, tokens, latencies). With
     `enable_sleep_mode`, /pause, /resume, /sleep, /wake_up and their /is_* queries are served;
-    with `enable_tokenizer_info`, /tokenizer_info.
+    with `enable_tokenizer_info`, /tokenizer_info. The LoRA adapters the engine client serves
+    are models of their own (lora_routes.py); with `allow_runtime_lora_updating`, clients may
+    load and unload them.
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
-    serving_metrics, limits = ServingMetrics(served_model_name, log_requests), limits or RequestLimits()
+    serving_metrics = ServingMetrics(served_model_name, log_requests, engine.llm.info.max_loras)
+    limits = limits or RequestLimits()
     completions = CompletionServing(
         engine,
         served_model_name,
@@ -249,17 +255,23 @@ def build_app(
     async def count_message_tokens(body: MessagesInput) -> TokenCount:
         return await messages.count_tokens(body)
 
-    def model_card() -> ModelCard:
-        return ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
+    def model_card(lora: LoRARequest | None = None) -> ModelCard:
+        if lora is None:
+            return ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
+        return ModelCard(
+            id=lora.lora_name,
+            root=lora.lora_path,
+            max_model_len=engine.max_model_len,
+            parent=lora.base_model_name or served_model_name,
+        )
 
     @api.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(), *map(model_card, engine.loras.values())])
 
     @api.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> ModelCard:
-        chat.check_model(model)
-        return model_card()
+        return model_card(chat.check_model(model))
 
     @api.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> ResetPrefixCacheResponse:
@@ -336,4 +348,6 @@ def build_app(
     app.include_router(api)
     if enable_sleep_mode:
         app.include_router(sleep_router(engine))
+    if allow_runtime_lora_updating:
+        app.include_router(lora_router(engine, served_model_name))
     return app

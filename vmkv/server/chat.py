@@ -232,7 +232,7 @@ class ChatServing(OpenAIServing):
             return choices
         response = ChatCompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.answer_model(submissions[0].lora_request),
             choices=[
                 function_choice(answer) if functions else answer
                 for choice in choices
@@ -379,7 +379,7 @@ class ChatServing(OpenAIServing):
                 ChatCompletionChunk(
                     id=request_id,
                     created=created,
-                    model=self.model_name,
+                    model=self.answer_model(submissions[0].lora_request),
                     choices=chunk_choices,
                     usage=usage_,
                     prompt_token_ids=prompt_ids,

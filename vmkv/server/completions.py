@@ -99,7 +99,7 @@ class CompletionServing(OpenAIServing):
             choices, body = best_choices(choices, body.n, wanted.n), wanted
         response = CompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.answer_model(submissions[0].lora_request),
             choices=[
                 CompletionChoice(
                     index=choice.index,
@@ -163,7 +163,11 @@ class CompletionServing(OpenAIServing):
             usage_ = usage(submissions, choices) if final_usage or body.continuous_usage else None
             return sse_event(
                 CompletionResponse(
-                    id=request_id, created=created, model=self.model_name, choices=chunk_choices, usage=usage_
+                    id=request_id,
+                    created=created,
+                    model=self.answer_model(submissions[0].lora_request),
+                    choices=chunk_choices,
+                    usage=usage_,
                 )
             )
 

@@ -136,7 +136,7 @@ class EmbeddingServing(OpenAIServing):
         response = EmbeddingResponse(
             id=request_id,
             created=now(),
-            model=self.model_name,
+            model=self.answer_model(self.check_model(body.model)),
             data=data,
             usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
         )
@@ -155,6 +155,7 @@ class EmbeddingServing(OpenAIServing):
             raise bad_request(str(error), "priority") from error
         self.limits.check_queue(self.engine.stats().num_waiting)
         params = SamplingParams(pooling=self.pooling, max_tokens=1)
+        lora = self.check_model(body.model)
         for prompt in prompts:
             try:
                 self.engine.validate(prompt, params)
@@ -163,7 +164,7 @@ class EmbeddingServing(OpenAIServing):
         timer = self.metrics.timer(request_id)
         engine_id = engine_request_id(request_id)
         runs = [
-            self.engine.embed(f"{engine_id}-{i}", prompt, params, body.cache_salt, body.priority)
+            self.engine.embed(f"{engine_id}-{i}", prompt, params, body.cache_salt, body.priority, lora)
             for i, prompt in enumerate(prompts)
         ]
         vectors = await self.answer_or_disconnect(request, all_of(runs))

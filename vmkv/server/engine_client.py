@@ -22,6 +22,7 @@ from vmkv.engine import (
     DataParallelLLM,
     EngineDead,
     EngineStats,
+    LoRARequest,
     RequestOutput,
     SamplingParams,
 )
@@ -75,6 +76,31 @@ class EngineClient:
         self.vocab_size: int = min(len(self.tokenizer), llm.info.vocab_size)
         self.model_path = llm.info.model_path
         self.hidden_size: int = llm.info.hidden_size  # an embedding's dimensions
+        # the LoRA adapters served, by the model name requests give for them
+        self.loras: dict[str, LoRARequest] = {}
+        self._next_lora_id = 1
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The adapter served under model name `name`, if one is."""
+        return None if name is None else self.loras.get(name)
+
+    async def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Load an adapter in the engine and serve it as model `name` (replacing one served so:
+        its cached prefixes are not reused). Raises ValueError for one the engine cannot load."""
+        request = LoRARequest(name, self._next_lora_id, path, base_model_name)
+        if name in self.loras:
+            await self.control("remove_lora", name)
+        await self.control("add_lora", name, path)
+        self._next_lora_id += 1
+        self.loras[name] = request
+        return request
+
+    async def remove_lora(self, name: str) -> bool:
+        """Stop serving an adapter (requests running with it finish); whether it was served."""
+        if self.loras.pop(name, None) is None:
+            return False
+        await self.control("remove_lora", name)
+        return True
 
     def check_alive(self) -> None:
         """Raises EngineDeadError, saying why, once the engine has stopped (shut down, or its thread died)."""
@@ -97,13 +123,15 @@ class EngineClient:
         cache_salt: str | None = None,
         priority: int = 0,
         stream_interval: int = 1,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[list[SampleDelta], None]:
         """One list of deltas per engine step that advanced the request, until every sample ends.
         `prompt` is token ids, or a [tokens, hidden] tensor of embeddings. A sample's tokens after
         its first are held until `stream_interval` of them have come (or it ends)."""
         sent: dict[int, _Sent] = {}
         prompt_logprobs_sent = False
-        async with aclosing(self._outputs(request_id, prompt, params, cache_salt, priority)) as outputs:
+        outputs = self._outputs(request_id, prompt, params, cache_salt, priority, lora_request)
+        async with aclosing(outputs):
             async for output in outputs:
                 deltas = [
                     delta
@@ -131,9 +159,11 @@ class EngineClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[float]:
         """A pooling request's embedding."""
-        async with aclosing(self._outputs(request_id, prompt, params, cache_salt, priority)) as outputs:
+        outputs = self._outputs(request_id, prompt, params, cache_salt, priority, lora_request)
+        async with aclosing(outputs):
             async for output in outputs:
                 if output.finished:
                     return output.embedding
@@ -146,12 +176,11 @@ class EngineClient:
         params: SamplingParams,
         cache_salt: str | None,
         priority: int,
+        lora_request: LoRARequest | None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's cumulative outputs: RequestFailed for one the engine failed,
         EngineDeadError once the engine has stopped; leaving early aborts it."""
-        stream = self.llm.generate(
-            prompt, params, request_id=request_id, cache_salt=cache_salt, priority=priority
-        )
+        stream = self.llm.generate(prompt, params, request_id, cache_salt, priority, lora_request)
         try:
             async for output in stream:
                 if output.error is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -28,6 +29,7 @@ from vmkv.server.embeddings import POOLING, checkpoint_pooling
 from vmkv.server.engine_client import EngineClient
 from vmkv.server.guards import DEFAULT_MAX_BODY_BYTES
 from vmkv.server.limits import RequestLimits
+from vmkv.server.lora_routes import LoRAModule, parse_lora_module
 from vmkv.server.reasoning import END as THINK_END
 from vmkv.server.reasoning import REASONING_PARSERS
 from vmkv.server.reasoning import START as THINK_START
@@ -152,6 +154,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "can stop the engine and give its KV and weights memory back (docs/server.md)",
     )
     server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module_flag,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served as models of these names, loaded at start "
+        '(needs --enable-lora); vLLM\'s JSON form {"name": ..., "path": ...} works too',
+    )
+    server.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (default: vLLM's environment "
+        "variable VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
+    server.add_argument(
         "--enable-tokenizer-info-endpoint",
         action="store_true",
         help="serve GET /tokenizer_info: the tokenizer's configuration and the chat template (vLLM's flag)",
@@ -198,6 +216,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     # a server runs long enough to win back the compile (docs/engine.md): on unless told
     # otherwise or tensor parallel (not compiled yet); None until serve_main resolves it
     parser.set_defaults(compile_model=None)
+
+
+def lora_module_flag(text: str) -> LoRAModule:
+    try:
+        return parse_lora_module(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+async def load_lora_modules(engine: EngineClient, modules: list[LoRAModule]) -> None:
+    for module in modules:
+        await engine.add_lora(module.name, module.path, module.base_model_name)
 
 
 def port_number(text: str) -> int:
@@ -259,6 +289,8 @@ def serve_main(args: argparse.Namespace) -> None:
         )
     if args.data_parallel_size > 1 and not args.engine_process:
         raise SystemExit("vmkv: error: --data-parallel-size needs --engine-process")
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise SystemExit("vmkv: error: LoRA adapters need --enable-lora")
     try:
         chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     except (ValueError, OSError) as error:
@@ -274,6 +306,11 @@ def serve_main(args: argparse.Namespace) -> None:
         raise SystemExit(f"vmkv: error: {error}") from error
     log_capacity(llm.info, args.kv_mode, args.data_parallel_size)
     engine = EngineClient(llm)
+    try:
+        asyncio.run(load_lora_modules(engine, args.lora_modules))
+    except ValueError as error:
+        engine.shutdown()
+        raise SystemExit(f"vmkv: error: --lora-modules: {error}") from error
     for tag in hidden_tags(engine.tokenizer, args.tool_call_parser, args.reasoning_parser):
         logger.warning(
             "the tokenizer marks %s a special token: answers drop it (so the parser never sees it) "
@@ -307,6 +344,7 @@ def serve_main(args: argparse.Namespace) -> None:
             log_requests=args.enable_log_requests,
             enable_sleep_mode=args.enable_sleep_mode,
             enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         )
     except ValueError as error:
         engine.shutdown()

@@ -142,7 +142,7 @@ class MessagesServing:
             counted = self.usage(run, choice)
         return MessageObject(
             id=run.request_id,
-            model=self.chat.model_name,
+            model=self.chat.answer_model(run.submissions[0].lora_request),
             content=content,
             stop_reason=stop_reason,
             stop_sequence=stop_sequence,

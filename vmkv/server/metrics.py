@@ -107,8 +107,9 @@ class RequestTimer:
 
 
 class ServingMetrics:
-    def __init__(self, model_name: str, log_requests: bool = False) -> None:
+    def __init__(self, model_name: str, log_requests: bool = False, max_loras: int = 0) -> None:
         self.labels = {"model_name": model_name}
+        self.max_loras = max_loras  # with LoRA adapters served: vLLM's lora_requests_info gauge
         self.log_requests = log_requests  # one log line per finished request (--enable-log-requests)
         self.request_success: Counter[str] = Counter()
         self.prompt_tokens = 0
@@ -143,6 +144,8 @@ class ServingMetrics:
         ):
             self._sample(out, COMMON_PREFIX + name, "counter", help_text, [(self.labels, value)])
         self._request_success(out)
+        if self.max_loras:
+            self._lora_info(out, engines)
         for histogram in (self.ttft, self.itl, self.tpot, self.e2e):
             self._histogram(out, histogram)
         self._engine_samples(out, PREFIX, own, labels)
@@ -167,6 +170,17 @@ class ServingMetrics:
             self._sample(
                 out, prefix + name, kind, help_text, [(where, sample[2]) for where, sample in present]
             )
+
+    def _lora_info(self, out: list[str], engines: list[EngineStats]) -> None:
+        """vLLM's gauge for LoRA-aware routers: the adapters running and waiting, in its labels
+        (comma-separated names), and the time of the reading as its value."""
+        labels = {
+            "max_lora": str(self.max_loras),
+            "running_lora_adapters": ",".join(dict.fromkeys(n for e in engines for n in e.running_loras)),
+            "waiting_lora_adapters": ",".join(dict.fromkeys(n for e in engines for n in e.waiting_loras)),
+        }
+        help_text = "Running and waiting LoRA adapters (labels); the value is when they were read."
+        self._sample(out, COMMON_PREFIX + "lora_requests_info", "gauge", help_text, [(labels, time.time())])
 
     def _request_success(self, out: list[str]) -> None:
         name = COMMON_PREFIX + "request_success_total"

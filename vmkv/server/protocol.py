@@ -602,6 +602,7 @@ class ModelCard(BaseModel):
     display_name: str = ""  # Anthropic's: the id
     created_at: str = ""  # Anthropic's: `created` in RFC 3339
     max_input_tokens: int = 0  # Anthropic's: max_model_len
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
 
     @model_validator(mode="after")
     def _anthropic_fields(self) -> ModelCard:

@@ -242,7 +242,7 @@ class ResponsesServing:
             else None,
             instructions=body.instructions,
             max_output_tokens=body.max_output_tokens,
-            model=self.chat.model_name,
+            model=self.chat.answer_model(run.chat_run.submissions[0].lora_request),
             output=output,
             parallel_tool_calls=body.parallel_tool_calls is not False,
             previous_response_id=body.previous_response_id,

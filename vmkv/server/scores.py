@@ -134,7 +134,7 @@ class ScoreServing(EmbeddingServing):
         response = ScoreResponse(
             id=request_id,
             created=now(),
-            model=self.model_name,
+            model=self.answer_model(self.check_model(body.model)),
             data=[ScoreData(index=i, score=score) for i, score in enumerate(similarity)],
             usage=ScoreUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
         )
@@ -154,7 +154,7 @@ class ScoreServing(EmbeddingServing):
         results.sort(key=lambda result: result.relevance_score, reverse=True)
         response = RerankResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.answer_model(self.check_model(body.model)),
             usage=RerankUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
             results=results[: body.top_n or None],
         )

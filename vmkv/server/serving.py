@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from transformers import PreTrainedTokenizerBase
 
-from vmkv.engine import RequestRejected, SamplingParams
+from vmkv.engine import LoRARequest, RequestRejected, SamplingParams
 from vmkv.engine.outputs import PromptLogprob
 from vmkv.engine.repetition import RepetitionDetection
 from vmkv.engine.sampling_params import StructuredOutput
@@ -72,6 +72,7 @@ class Submission:
     echo: str = ""  # text each choice starts with (the prompt, or chat's last assistant message)
     prompt_embeds: torch.Tensor | None = None  # the prompt itself: its prompt_ids are placeholders
     stream_interval: int = 1  # a stream's new tokens are sent once this many have come
+    lora_request: LoRARequest | None = None  # the adapter the request's model name serves
 
 
 @dataclass
@@ -172,11 +173,19 @@ class OpenAIServing:
         return f"{prefix}-{header or given or uuid.uuid4().hex}"
 
     # ---------------------------------------------------------------- checks shared by endpoints
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(
-                404, f"model {name!r} does not exist; this server serves {self.model_name!r}", "model"
-            )
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's model name serves (None: the base model), or a 404."""
+        if name is None or name == self.model_name:
+            return None
+        lora = self.engine.lora_request(name)
+        if lora is None:
+            served = ", ".join(repr(n) for n in [self.model_name, *self.engine.loras])
+            raise APIError(404, f"model {name!r} does not exist; this server serves {served}", "model")
+        return lora
+
+    def answer_model(self, lora: LoRARequest | None) -> str:
+        """The model name an answer carries: the adapter's, for a request run with one."""
+        return self.model_name if lora is None else lora.lora_name
 
     def check_alive(self) -> None:
         try:
@@ -333,6 +342,7 @@ class OpenAIServing:
             body.priority,
             prompt_embeds=prompt_embeds,
             stream_interval=max(self.stream_interval, body.stream_interval or 1) if body.stream else 1,
+            lora_request=self.check_model(body.model),
         )
 
     def _params(
@@ -393,6 +403,7 @@ class OpenAIServing:
                 s.cache_salt,
                 s.priority,
                 s.stream_interval,
+                s.lora_request,
             )
             for s in submissions
         ]
