@@ -18,7 +18,7 @@ from vmkv.engine import LLM, LoRARequest, RequestRejected, SamplingParams
 from vmkv.engine.config import KV_MODES, EngineConfig
 from vmkv.engine.oracle import compare, reference_greedy
 from vmkv.model.store import load_model
-from vmkv.model.tiny import build_tiny_lora
+from vmkv.model.tiny import build_random_lora
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -33,8 +33,8 @@ def tokens(outputs: list) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoRARequest]:
     root = tmp_path_factory.mktemp("loras")
-    first = build_tiny_lora(tiny_model_dir, root / "first", seed=1)
-    second = build_tiny_lora(
+    first = build_random_lora(tiny_model_dir, root / "first", seed=1)
+    second = build_random_lora(
         tiny_model_dir, root / "second", rank=8, seed=2, targets=("k_proj", "o_proj", "gate_proj", "up_proj")
     )
     return {"first": LoRARequest("first", 1, str(first)), "second": LoRARequest("second", 2, str(second))}

@@ -18,7 +18,7 @@ from test_engine_process import vmkv_serve
 from test_server import KV_BUDGET_BYTES, MAX_MODEL_LEN, MODEL, LiveServer
 
 from vmkv.engine import LLM, AsyncProcessLLM, LoRARequest, SamplingParams
-from vmkv.model.tiny import build_tiny_lora
+from vmkv.model.tiny import build_random_lora
 from vmkv.server import EngineClient, build_app
 from vmkv.server.lora_routes import LoRAModule, parse_lora_module
 
@@ -32,8 +32,8 @@ ENGINE = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "kv_budget_bytes":
 def adapter_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("served-loras")
     return {
-        "first": build_tiny_lora(tiny_model_dir, root / "first", seed=1),
-        "second": build_tiny_lora(tiny_model_dir, root / "second", seed=2, targets=("o_proj", "up_proj")),
+        "first": build_random_lora(tiny_model_dir, root / "first", seed=1),
+        "second": build_random_lora(tiny_model_dir, root / "second", seed=2, targets=("o_proj", "up_proj")),
     }
 
 

@@ -19,7 +19,7 @@ import asyncio
 import os
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 
@@ -231,9 +231,11 @@ class DataParallelLLM:
 
 def sum_stats(stats: list[EngineStats]) -> EngineStats:
     """One EngineStats for several engines: counts and bytes summed, kv_usage averaged, the
-    pause and sleep states the deepest any replica is in."""
+    pause and sleep states the deepest any replica is in, the LoRA adapters any one runs or has
+    waiting."""
+    combine = {"paused": max, "sleep_level": max, "running_loras": _names, "waiting_loras": _names}
     summed = {
-        f.name: (max if f.name in ("paused", "sleep_level") else sum)(getattr(s, f.name) for s in stats)
+        f.name: combine.get(f.name, sum)(getattr(s, f.name) for s in stats)
         for f in fields(EngineStats)
         if f.name not in ("kv_usage", "memory", "kv_stats")
     }
@@ -248,3 +250,7 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
         memory=memory,
         kv_stats=KVStats(**kv),
     )
+
+
+def _names(per_engine: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(name for names in per_engine for name in names))

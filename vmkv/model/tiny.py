@@ -4,6 +4,8 @@ They have the default model's shape of problem (grouped-query attention, tied em
 byte-level BPE tokenizer, ChatML template) at a size where tests run in milliseconds. Llama is
 the default; Qwen2 (biased q/k/v projections) and Mistral show that the engine drives other
 architectures through transformers' attention interface without touching their code.
+Random LoRA adapters for any checkpoint (build_random_lora) serve the tests and benchmarks of
+adapters.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def build_tiny_model(
     return path
 
 
-def build_tiny_lora(
+def build_random_lora(
     model_dir: str | Path,
     path: str | Path,
     rank: int = 4,
