@@ -16,6 +16,7 @@ from test_engine import make_llm
 import vmkv.engine.lora_layers as lora_layers
 from vmkv.engine import LLM, LoRARequest, RequestRejected, SamplingParams
 from vmkv.engine.config import KV_MODES, EngineConfig
+from vmkv.engine.lora import LoRAAdapter, LoRAPair
 from vmkv.engine.oracle import compare, reference_greedy
 from vmkv.model.store import load_model
 from vmkv.model.tiny import build_random_lora
@@ -279,3 +280,21 @@ def test_an_embedding_runs_with_its_adapter(tiny_model_dir: Path, adapters: dict
     tuned = llm.generate(PROMPTS, params, lora_request=adapters["first"])
     assert all(b.embedding != t.embedding for b, t in zip(base, tuned, strict=True))
     llm.close()
+
+
+def test_a_plan_takes_each_adapters_rows_as_one_slice_where_they_are_contiguous() -> None:
+    first = LoRAAdapter("first", "/a", 2, [LoRAPair(torch.randn(2, 8), torch.randn(4, 2))])
+    second = LoRAAdapter("second", "/b", 2, [LoRAPair(torch.randn(2, 8), torch.randn(4, 2))])
+    query_start = [0, 2, 3, 5, 9]
+    plan = lora_layers.step_plan([first, first, None, second], query_start, torch.device("cpu"))
+    assert plan == [(first, slice(0, 3)), (second, slice(5, 9))]
+    [(adapter, rows)] = lora_layers.step_plan([first, None, first, None], query_start, torch.device("cpu"))
+    assert adapter is first and rows.tolist() == [0, 1, 3, 4]
+    # either form adds the same terms to the same rows, and nothing to the others
+    x, y = torch.randn(1, 9, 8), torch.randn(1, 9, 4)
+    expected = y.clone()
+    expected[0, [0, 1, 3, 4]] += first.weights[0].term(x[0, [0, 1, 3, 4]])
+    with lora_layers.lora_step([(first, rows)]):
+        assert torch.allclose(lora_layers.lora_op(x, y, 0), expected)
+    with lora_layers.lora_step([(first, slice(0, 2)), (first, slice(3, 5))]):
+        assert torch.allclose(lora_layers.lora_op(x, y, 0), expected)

@@ -17,7 +17,7 @@ import pytest
 from test_engine_process import vmkv_serve
 from test_server import KV_BUDGET_BYTES, MAX_MODEL_LEN, MODEL, LiveServer
 
-from vmkv.engine import LLM, AsyncProcessLLM, LoRARequest, SamplingParams
+from vmkv.engine import LLM, AsyncProcessLLM, DataParallelLLM, EngineConfig, LoRARequest, SamplingParams
 from vmkv.model.tiny import build_random_lora
 from vmkv.server import EngineClient, build_app
 from vmkv.server.lora_routes import LoRAModule, parse_lora_module
@@ -199,3 +199,31 @@ def test_vmkv_serve_serves_its_lora_modules_and_refuses_a_bad_one(
         and "--lora-modules" in refused.stderr
         and "adapter_config.json" in refused.stderr
     )
+
+
+def test_data_parallel_replicas_each_serve_the_adapters(
+    tiny_model_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    config = EngineConfig(model=str(tiny_model_dir), enable_lora=True, num_threads=1, **ENGINE)
+    offline = LLM(str(tiny_model_dir), enable_lora=True, **ENGINE)
+    lora = LoRARequest("first", 1, str(adapter_dirs["first"]))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = offline.tokenizer(PROMPT)["input_ids"]
+    expected = offline.generate([prompt], params, lora_request=lora)[0].outputs[0].token_ids
+    offline.close()
+    replicas = DataParallelLLM(config, 2, routing="round-robin")
+    engine = EngineClient(replicas)
+
+    async def run() -> list[list[int]]:
+        await engine.add_lora("first", str(adapter_dirs["first"]))
+        answers = []
+        for i in range(2):  # round-robin: one request on each replica
+            outputs = replicas.generate(prompt, params, f"r{i}", lora_request=engine.lora_request("first"))
+            answers.append([output async for output in outputs][-1].outputs[0].token_ids)
+        assert await replicas.control("list_loras") == ["first"]
+        return answers
+
+    try:
+        assert asyncio.run(run()) == [expected, expected]
+    finally:
+        engine.shutdown()

@@ -92,7 +92,7 @@ def pack_linears(model: torch.nn.Module, packing: str) -> None:
                 grouped.update(group)
     for module in _half_linears(model):
         if module not in grouped:
-            module.packed_weight = _packed(module.weight.detach(), packing)
+            module.packed_weight = pack_weight(module.weight.detach(), packing)
             module.forward = partial(_packed_linear, module)
 
 
@@ -100,7 +100,8 @@ def _half_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.float32]
 
 
-def _packed(weight: torch.Tensor, packing: str) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, packing: str) -> torch.Tensor:
+    """`weight` [out, in] in the form the GEMM of `packing` reads (linear_packing)."""
     if packing == "pairs" and weight.shape[1] % 2 == 0:  # an odd input width keeps oneDNN's form
         return gemv_kernel.in_pairs(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.float() if packing == "fp32" else weight)
@@ -127,7 +128,7 @@ def _pack_group(group: list[torch.nn.Linear], packing: str) -> None:
     sizes = [m.out_features for m in group]
     weight = torch.cat([m.weight.detach() for m in group])
     bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
-    shared = _SharedInput(weight, _packed(weight, packing), bias, sizes)
+    shared = _SharedInput(weight, pack_weight(weight, packing), bias, sizes)
     biases = bias.split(sizes) if bias is not None else [None] * len(group)
     for index, (module, rows, rows_bias) in enumerate(zip(group, weight.split(sizes), biases, strict=True)):
         module.weight.data = rows

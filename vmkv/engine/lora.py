@@ -20,10 +20,12 @@ import math
 import re
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 CONFIG_FILE = "adapter_config.json"
@@ -56,15 +58,34 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
 
 
+@dataclass(frozen=True)
+class LoRAPair:
+    """One layer's A [r, in] and scale x B [out, r], in the model's dtype and device, as two
+    linear layers' weights: with the packed forms cpu_linear.py gives the model's own linears
+    where it packs them (None otherwise)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    packed_a: torch.Tensor | None = None
+    packed_b: torch.Tensor | None = None
+
+    def term(self, x: torch.Tensor) -> torch.Tensor:
+        """B (A x) for rows x [T, in], in their dtype."""
+        if self.packed_a is None:
+            return F.linear(F.linear(x, self.a), self.b)
+        shrunk = torch.ops.vmkv.packed_linear.default(x, self.a, self.packed_a, None)
+        return torch.ops.vmkv.packed_linear.default(shrunk, self.b, self.packed_b, None)
+
+
 @dataclass(eq=False)
 class LoRAAdapter:
-    """A loaded adapter: for each of the model's LoRA slots (lora_layers.LoRALayers.names), its
-    (A [r, in], scale x B [out, r]) in the model's dtype and device, or None where it adds nothing."""
+    """A loaded adapter: for each of the model's LoRA slots (lora_layers.LoRALayers.slots), its
+    LoRAPair, or None where it adds nothing."""
 
     name: str
     path: str
     rank: int
-    weights: list[tuple[torch.Tensor, torch.Tensor] | None]
+    weights: list[LoRAPair | None]
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -75,9 +96,11 @@ def read_adapter(
     max_rank: int,
     dtype: torch.dtype,
     device: torch.device,
+    pack: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> LoRAAdapter:
     """Read a PEFT LoRA directory for a model whose LoRA slots are `slots` (module name ->
-    (in_features, out_features)). Raises ValueError naming what does not fit; nothing is kept."""
+    (in_features, out_features)), its weights packed by `pack` as the model's linears are.
+    Raises ValueError naming what does not fit; nothing is kept."""
     directory = Path(path).expanduser()
     config_file = directory / CONFIG_FILE
     if not config_file.is_file():
@@ -94,7 +117,7 @@ def read_adapter(
         if match is None:
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A or B weight")
         pairs.setdefault(match[1], {})[match[2]] = tensor
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    weights: dict[str, LoRAPair] = {}
     rank = 0
     for module, pair in pairs.items():
         if module not in slots:
@@ -120,10 +143,9 @@ def read_adapter(
             config.get("alpha_pattern") or {}, module, config.get("lora_alpha", PEFT_ALPHA)
         )
         scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-        weights[module] = (
-            a.to(device=device, dtype=dtype).contiguous(),
-            (b.float() * scale).to(device=device, dtype=dtype).contiguous(),
-        )
+        a = a.to(device=device, dtype=dtype).contiguous()
+        b = (b.float() * scale).to(device=device, dtype=dtype).contiguous()
+        weights[module] = LoRAPair(a, b) if pack is None else LoRAPair(a, b, pack(a), pack(b))
         rank = max(rank, r)
     if not weights:
         raise ValueError(f"LoRA adapter {name!r} in {path} has no LoRA weights")
@@ -186,9 +208,10 @@ class LoRAAdapters:
         max_loaded: int,
         dtype: torch.dtype,
         device: torch.device,
+        pack: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.slots, self.max_rank, self.max_loaded = slots, max_rank, max_loaded
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.pack = dtype, device, pack
         self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
 
     def get(self, request: LoRARequest) -> LoRAAdapter:
@@ -196,7 +219,13 @@ class LoRAAdapters:
         adapter = self._loaded.get(request.lora_name)
         if adapter is None:
             adapter = read_adapter(
-                request.lora_path, request.lora_name, self.slots, self.max_rank, self.dtype, self.device
+                request.lora_path,
+                request.lora_name,
+                self.slots,
+                self.max_rank,
+                self.dtype,
+                self.device,
+                self.pack,
             )
             self._loaded[request.lora_name] = adapter
             while len(self._loaded) > self.max_loaded:

@@ -27,8 +27,9 @@ import torch
 
 from vmkv.engine.lora import LoRAAdapter
 
-# one adapter's rows of a step: None when they are all the step's rows
-StepPlan = list[tuple[LoRAAdapter, torch.Tensor | None]]
+# one adapter's rows of a step: a slice where they are contiguous (the scheduler orders a step's
+# sequences by adapter), else their indices
+StepPlan = list[tuple[LoRAAdapter, slice | torch.Tensor]]
 
 
 @dataclass
@@ -54,30 +55,42 @@ def step_plan(
 ) -> StepPlan:
     """The plan of a packed step whose i-th item (rows query_start[i]:query_start[i+1]) runs
     with adapters[i] (None: the base model)."""
-    ranges: dict[int, tuple[LoRAAdapter, list[int]]] = {}
+    spans: dict[int, tuple[LoRAAdapter, list[tuple[int, int]]]] = {}
     for i, adapter in enumerate(adapters):
-        if adapter is not None:
-            ranges.setdefault(id(adapter), (adapter, []))[1].extend(range(query_start[i], query_start[i + 1]))
-    if len(ranges) == 1 and all(adapter is not None for adapter in adapters):
-        return [(next(iter(ranges.values()))[0], None)]
-    return [(adapter, torch.tensor(rows, device=device)) for adapter, rows in ranges.values()]
+        if adapter is None:
+            continue
+        start, end = query_start[i], query_start[i + 1]
+        runs = spans.setdefault(id(adapter), (adapter, []))[1]
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end)
+        else:
+            runs.append((start, end))
+    return [(adapter, _rows(runs, device)) for adapter, runs in spans.values()]
+
+
+def _rows(runs: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
+    if len(runs) == 1:
+        return slice(*runs[0])
+    return torch.cat([torch.arange(start, end) for start, end in runs]).to(device)
 
 
 def _add_lora(x: torch.Tensor, y: torch.Tensor, slot: int) -> torch.Tensor:
-    """y (a linear layer's output for input x) with the step's adapters' terms for `slot` added."""
-    out = y.clone(memory_format=torch.contiguous_format)
+    """y (a linear layer's output for input x) with the step's adapters' terms for `slot` added:
+    the op's kernel, which may not change y (an op's output may not alias its input)."""
+    return _add_terms(x, y.clone(memory_format=torch.contiguous_format), slot)
+
+
+def _add_terms(x: torch.Tensor, out: torch.Tensor, slot: int) -> torch.Tensor:
+    """Add the step's adapters' terms for `slot` to `out` in place; returns it."""
     rows_in, rows_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
     for adapter, rows in _step.plan:
         pair = adapter.weights[slot]
         if pair is None:
             continue
-        a, b = pair
-        part = rows_in if rows is None else rows_in.index_select(0, rows)
-        term = (part.to(a.dtype) @ a.t()) @ b.t()
-        if rows is None:
-            rows_out.add_(term)
+        if isinstance(rows, slice):
+            rows_out[rows].add_(pair.term(rows_in[rows]))
         else:
-            rows_out.index_add_(0, rows, term.to(rows_out.dtype))
+            rows_out.index_add_(0, rows, pair.term(rows_in.index_select(0, rows)))
     return out
 
 
@@ -99,7 +112,9 @@ def _hook(
         return lora_op(args[0], output, slot)
     if not _step.plan:  # eager, no adapter in this step: the base output as it is
         return None
-    return _add_lora(args[0], output, slot)
+    # eager: the output is the layer's own new tensor (or a column slice of its group's, which
+    # the other slices do not overlap), so the terms go into it in place
+    return _add_terms(args[0], output, slot)
 
 
 class LoRALayers:

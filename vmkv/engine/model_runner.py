@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from functools import partial
 from itertools import chain
 
 import torch
@@ -19,7 +20,7 @@ from vmkv import faults
 from vmkv.engine.attention_hook import ATTENTION_NAME, step_context
 from vmkv.engine.compiled import compile_decoder, compiled_stance
 from vmkv.engine.config import EngineConfig
-from vmkv.engine.cpu_linear import linear_packing, pack_linears, packed_logits
+from vmkv.engine.cpu_linear import linear_packing, pack_linears, pack_weight, packed_logits
 from vmkv.engine.lora import LoRAAdapters
 from vmkv.engine.lora_layers import LoRALayers, lora_step, step_plan
 from vmkv.engine.outputs import PromptLogprob
@@ -61,11 +62,13 @@ class ModelRunner:
         self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
 
     def _lora_adapters(self, config: EngineConfig) -> LoRAAdapters:
-        """The model's linears hooked for LoRA, and the set adapters are loaded into: float32
-        on the CPU (their thin GEMMs, lora_layers.py), the model's dtype elsewhere."""
-        dtype = torch.float32 if self.device.type == "cpu" else config.torch_dtype
+        """The model's linears hooked for LoRA, and the set adapters are loaded into: their A
+        and B packed for the CPU's GEMM as the model's own linears are (cpu_linear.py)."""
         slots = LoRALayers(self.model).slots
-        return LoRAAdapters(slots, config.max_lora_rank, config.max_cpu_loras, dtype, self.device)
+        pack = None if self.packing is None else partial(pack_weight, packing=self.packing)
+        return LoRAAdapters(
+            slots, config.max_lora_rank, config.max_cpu_loras, config.torch_dtype, self.device, pack
+        )
 
     def reload_weights(self, released: ReleasedWeights) -> None:
         """Read weights sleep.release_weights let go of from the checkpoint, prepared as at start.

@@ -163,6 +163,8 @@ class Scheduler:
 
         for plan in planned.values():
             out.scheduled.extend(plan)
+        if self.config.enable_lora:  # each adapter's rows one contiguous run (lora_layers.step_plan)
+            out.scheduled.sort(key=lambda s: "" if s.seq.lora is None else s.seq.lora.uid)
         self.cache.expect(self._upcoming(out))
         return out
 
