@@ -298,3 +298,39 @@ def test_a_plan_takes_each_adapters_rows_as_one_slice_where_they_are_contiguous(
         assert torch.allclose(lora_layers.lora_op(x, y, 0), expected)
     with lora_layers.lora_step([(first, slice(0, 2)), (first, slice(3, 5))]):
         assert torch.allclose(lora_layers.lora_op(x, y, 0), expected)
+
+
+def test_samples_beams_swaps_and_sleep_keep_their_adapter(
+    tiny_model_dir: Path, adapters: dict[str, LoRARequest]
+) -> None:
+    lora = adapters["second"]
+    llm = make_llm(tiny_model_dir, "vattention", enable_lora=True, preemption_mode="swap")
+    expected = tokens(llm.generate(PROMPTS, GREEDY, lora_request=lora))
+    two = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
+    assert all(
+        [s.token_ids for s in out.outputs] == [want, want]
+        for out, want in zip(llm.generate(PROMPTS, two, lora_request=lora), expected, strict=True)
+    )
+    beams = SamplingParams(n=2, use_beam_search=True, max_tokens=10, ignore_eos=True)
+    with_adapter = tokens(llm.generate(PROMPTS, beams, lora_request=lora))
+    assert with_adapter != tokens(llm.generate(PROMPTS, beams))
+    assert tokens(llm.generate(PROMPTS, beams, lora_request=lora)) == with_adapter
+    llm.sleep(2)
+    llm.wake_up()
+    assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=lora)) == expected
+    llm.close()
+    # swapped out and back in under memory pressure, each sequence resumes with its adapter
+    tight = make_llm(
+        tiny_model_dir,
+        "paged",
+        enable_lora=True,
+        preemption_mode="swap",
+        kv_budget_bytes=80 * 2 * 2 * 2 * 16 * 4 * 2,
+    )
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = make_llm(tiny_model_dir, "paged", enable_lora=True)
+    want = tokens(roomy.generate(PROMPTS, params, lora_request=lora))
+    roomy.close()
+    assert tokens(tight.generate(PROMPTS, params, lora_request=lora)) == want
+    assert tight.engine.stats().num_preemptions > 0
+    tight.close()
