@@ -197,6 +197,9 @@ GOOD = {"peft_type": "LORA", "r": 2, "lora_alpha": 4}
         (GOOD, pair((32, 64), (64, 32)), "max_lora_rank"),
         (GOOD, {f"{LAYER}.lora_A.weight": torch.zeros(2, 64)}, "not both"),
         (GOOD, {f"{LAYER}.weight": torch.zeros(2, 64)}, "not a LoRA A or B"),
+        (GOOD, pair((), (64, 2)), "needs A"),  # a scalar A
+        (GOOD | {"lora_alpha": "eight"}, None, "must be a number"),
+        (GOOD | {"alpha_pattern": {"q_proj(": 2}}, None, "regular expression"),
     ],
 )  # fmt: skip
 def test_an_adapter_that_cannot_be_served_is_refused_and_nothing_runs(
@@ -212,6 +215,18 @@ def test_an_adapter_that_cannot_be_served_is_refused_and_nothing_runs(
         llm.generate(PROMPTS, GREEDY, lora_request=request)
     assert refused.value.param == "model"
     assert llm.engine.list_loras() == [] and not llm.engine.has_unfinished_requests()
+    llm.close()
+
+
+def test_an_adapter_file_of_any_other_content_is_refused_and_the_engine_keeps_serving(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "adapter_config.json").write_text(json.dumps(GOOD))
+    torch.save([1, 2, 3], tmp_path / "adapter_model.bin")
+    llm = make_llm(tiny_model_dir, "paged", enable_lora=True)
+    with pytest.raises(RequestRejected, match="cannot be read"):
+        llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("odd", 5, str(tmp_path)))
+    assert len(llm.generate(PROMPTS, GREEDY)) == len(PROMPTS)
     llm.close()
 
 

@@ -129,8 +129,8 @@ def read_adapter(
             raise ValueError(f"LoRA adapter {name!r}: {module!r} has lora_A or lora_B but not both")
         a, b = pair["lora_A"], pair["lora_B"]
         in_features, out_features = slots[module]
-        r = a.shape[0]
-        if a.shape != (r, in_features) or b.shape != (out_features, r):
+        r = a.shape[0] if a.dim() == 2 else 0
+        if not r or a.shape != (r, in_features) or b.shape != (out_features, r):
             raise ValueError(
                 f"LoRA adapter {name!r}: {module!r} has A {tuple(a.shape)} and B {tuple(b.shape)}; the "
                 f"layer needs A [r, {in_features}] and B [{out_features}, r]"
@@ -142,6 +142,10 @@ def read_adapter(
         alpha = _pattern_value(
             config.get("alpha_pattern") or {}, module, config.get("lora_alpha", PEFT_ALPHA)
         )
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+            raise ValueError(
+                f"LoRA adapter {name!r}: lora_alpha for {module!r} must be a number, got {alpha!r}"
+            )
         scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
         a = a.to(device=device, dtype=dtype).contiguous()
         b = (b.float() * scale).to(device=device, dtype=dtype).contiguous()
@@ -189,11 +193,16 @@ def _read_tensors(name: str, directory: Path) -> dict[str, torch.Tensor]:
     raise ValueError(f"LoRA adapter {name!r}: no {' or '.join(WEIGHT_FILES)} in {directory}")
 
 
-def _pattern_value(patterns: dict[str, float], module: str, default: float) -> float:
+def _pattern_value(patterns: object, module: str, default: object) -> object:
     """PEFT's per-module override: the first pattern the module's name ends with."""
+    if not isinstance(patterns, dict):
+        raise ValueError(f"alpha_pattern must be an object of patterns, got {patterns!r}")
     for pattern, value in patterns.items():
-        if re.fullmatch(rf"(.*\.)?{pattern}", module):
-            return value
+        try:
+            if re.fullmatch(rf"(.*\.)?{pattern}", module):
+                return value
+        except re.error as error:
+            raise ValueError(f"alpha_pattern {pattern!r} is not a regular expression: {error}") from None
     return default
 
 
@@ -218,15 +227,7 @@ class LoRAAdapters:
         """The adapter `request` names, read from its path if it is not loaded."""
         adapter = self._loaded.get(request.lora_name)
         if adapter is None:
-            adapter = read_adapter(
-                request.lora_path,
-                request.lora_name,
-                self.slots,
-                self.max_rank,
-                self.dtype,
-                self.device,
-                self.pack,
-            )
+            adapter = self._read(request)
             self._loaded[request.lora_name] = adapter
             while len(self._loaded) > self.max_loaded:
                 self._loaded.popitem(last=False)
@@ -237,6 +238,27 @@ class LoRAAdapters:
             )
         self._loaded.move_to_end(request.lora_name)
         return adapter
+
+    def _read(self, request: LoRARequest) -> LoRAAdapter:
+        """read_adapter, any failure a ValueError: a malformed file refuses its request and
+        never stops the engine."""
+        try:
+            return read_adapter(
+                request.lora_path,
+                request.lora_name,
+                self.slots,
+                self.max_rank,
+                self.dtype,
+                self.device,
+                self.pack,
+            )
+        except ValueError:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever the file holds, the request is refused
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r} in {request.lora_path} cannot be read: "
+                f"{type(error).__name__}: {error}"
+            ) from None
 
     def remove(self, name: str) -> bool:
         """Let go of an adapter; requests running with it finish with it. Whether it was loaded."""
