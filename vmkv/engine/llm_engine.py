@@ -488,12 +488,12 @@ class LLMEngine:
             return outputs
         self.num_steps += 1
         now = time.monotonic()
-        sampling: list[Sequence] = []
+        sampling: list[Sequence] = []  # each with a logits row, in order
         for item in sched.scheduled:
             group = self._group_of[item.seq.seq_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-            if item.samples:
+            if item.samples and not group.params.pooling:
                 sampling.append(item.seq)
             if item.seq.num_computed < item.seq.prompt_len:
                 self.prompt_tokens += min(item.num_new, item.seq.prompt_len - item.seq.num_computed)
@@ -502,7 +502,7 @@ class LLMEngine:
             logprob_items = self._prompt_logprob_items(sched.scheduled)
             pooling_items = self._pooling_items(sched.scheduled)
             wanted = sorted(set(logprob_items) | set(pooling_items))
-            logits, hidden = self.runner.execute(self.cache, sched.scheduled, wanted)
+            logits, hidden = self.runner.execute(self.cache, sched.scheduled, wanted, set(pooling_items))
             for i, rows in zip(wanted, hidden, strict=True):
                 if i in logprob_items:
                     self._record_prompt_logprobs(sched.scheduled[i], rows)
@@ -517,10 +517,7 @@ class LLMEngine:
         embedded = [sched.scheduled[i].seq for i in pooling_items if sched.scheduled[i].samples]
         _advance(sched.scheduled)
         self.peak_running_seqs = max(self.peak_running_seqs, self.scheduler.num_running_seqs)
-        if embedded:  # their logits rows go too: each row is the sample at its index in `sampling`
-            kept = [i for i, seq in enumerate(sampling) if seq not in embedded]
-            logits = logits[torch.tensor(kept, dtype=torch.long, device=logits.device)]
-            sampling = [sampling[i] for i in kept]
+        if embedded:
             outputs += self._finish_embedded(embedded)
 
         row_seqs, row_index = self._expand_forks(sampling)

@@ -9,7 +9,7 @@ Logits are computed only for the rows that sample.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import nullcontext
 from functools import partial
 from itertools import chain
@@ -84,11 +84,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, cache: KVCache, scheduled: list[ScheduledSeq], keep_hidden: Sequence[int] = ()
+        self,
+        cache: KVCache,
+        scheduled: list[ScheduledSeq],
+        keep_hidden: Sequence[int] = (),
+        pooling: Collection[int] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run one step; returns float32 logits [S, V] for the scheduled rows that sample, in
         order, and the final hidden states [num_new, H] of the scheduled items `keep_hidden`
-        names (for prompt logprobs and pooling)."""
+        names (for prompt logprobs and pooling). Items in `pooling` are embedding requests:
+        they never sample, so their last rows get no logits."""
         steps = [SeqStep(s.seq.seq_id, s.seq.num_computed, s.num_new) for s in scheduled]
         batch = StepBatch.build(steps, self.device)
         num_tokens = int(batch.query_start[-1])
@@ -130,7 +135,7 @@ class ModelRunner:
                 )
             hidden = hidden.last_hidden_state[0]
         cache.finish_step(plan)
-        last_rows = [i for i, s in enumerate(scheduled) if s.samples]
+        last_rows = [i for i, s in enumerate(scheduled) if s.samples and i not in pooling]
         rows = batch.query_start[1:][last_rows] - 1
         starts = batch.query_start.tolist() if keep_hidden else []
         kept = [hidden[starts[i] : starts[i + 1]] for i in keep_hidden]
