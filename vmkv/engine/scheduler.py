@@ -157,9 +157,10 @@ class Scheduler:
                 budget -= sum(s.num_new for s in plan)
 
         if out.num_preempted == 0:
-            budget = self._resume_swapped(budget, planned)
+            loras = self._running_loras()  # grows as groups start
+            budget = self._resume_swapped(budget, planned, loras)
             if not self.swapped:
-                self._admit_waiting(budget, planned, out)
+                self._admit_waiting(budget, planned, out, loras)
 
         for plan in planned.values():
             out.scheduled.extend(plan)
@@ -182,8 +183,9 @@ class Scheduler:
         )
         seats = self.config.max_num_seqs - self.num_running_seqs
         upcoming: list[UpcomingPrompt] = []
+        loras = self._running_loras()
         for group in self.waiting:
-            if not self._lora_fits(group):
+            if not self._lora_fits(group, loras):
                 continue
             if budget <= 0 or group.num_seq_slots > seats:
                 break
@@ -281,19 +283,21 @@ class Scheduler:
         out.failed.append(group)
 
     # -------------------------------------------------------------- resume
-    def _resume_swapped(self, budget: int, planned: dict[SequenceGroup, list[ScheduledSeq]]) -> int:
+    def _resume_swapped(
+        self, budget: int, planned: dict[SequenceGroup, list[ScheduledSeq]], loras: set[int]
+    ) -> int:
         while self.swapped and budget > 0:
             group = self.swapped[0]
-            if self.num_running_seqs + group.num_seq_slots > self.config.max_num_seqs or not self._lora_fits(
-                group
-            ):
+            if self.num_running_seqs + group.num_seq_slots > self.config.max_num_seqs:
+                break
+            if not self._lora_fits(group, loras):
                 break
             try:
                 self.cache.swap_in([s.seq_id for s in group.seqs if s.num_allocated])
             except OutOfKVMemory:
                 break
             self.swapped.pop(0)
-            self._start(group)
+            self._start(group, loras)
             plan = self._plan(group, budget)
             if plan and self._reserve(group):
                 planned[group] = plan
@@ -301,12 +305,16 @@ class Scheduler:
         return budget
 
     def _admit_waiting(
-        self, budget: int, planned: dict[SequenceGroup, list[ScheduledSeq]], out: SchedulerOutput
+        self,
+        budget: int,
+        planned: dict[SequenceGroup, list[ScheduledSeq]],
+        out: SchedulerOutput,
+        loras: set[int],
     ) -> None:
         head = 0  # the first waiting group not passed over for its LoRA adapter
         while head < len(self.waiting) and budget > 0:
             group = self.waiting[head]
-            if not self._lora_fits(group):  # vLLM's rule: later requests may go first
+            if not self._lora_fits(group, loras):  # vLLM's rule: later requests may go first
                 head += 1
                 continue
             if self.num_running_seqs + group.num_seq_slots > self.config.max_num_seqs:
@@ -321,18 +329,21 @@ class Scheduler:
                 break
             group.alone_failures = 0
             self.waiting.pop(head)
-            self._start(group)
+            self._start(group, loras)
             plan = self._plan(group, budget)
             planned[group] = plan
             budget -= sum(s.num_new for s in plan)
 
-    def _lora_fits(self, group: SequenceGroup) -> bool:
-        """Whether the group may run beside the running ones: at most max_loras distinct LoRA
-        adapters run in one step, which bounds each step's LoRA work."""
-        if group.lora is None:
-            return True
-        running = {id(g.lora) for g in self.running if g.lora is not None}
-        return id(group.lora) in running or len(running) < self.config.max_loras
+    def _running_loras(self) -> set[int]:
+        """The LoRA adapters (ids) of the running groups; none without LoRA."""
+        if not self.config.enable_lora:
+            return set()
+        return {id(g.lora) for g in self.running if g.lora is not None}
+
+    def _lora_fits(self, group: SequenceGroup, loras: set[int]) -> bool:
+        """Whether the group may run beside running groups whose adapters are `loras`: at most
+        max_loras distinct LoRA adapters run in one step, which bounds each step's LoRA work."""
+        return group.lora is None or id(group.lora) in loras or len(loras) < self.config.max_loras
 
     def _admit(self, group: SequenceGroup) -> bool:
         """Admit every live sample (one, or each sample of a recomputed group), all or none."""
@@ -351,6 +362,9 @@ class Scheduler:
             group.num_cached_tokens = admitted[0].num_computed
         return True
 
-    def _start(self, group: SequenceGroup) -> None:
+    def _start(self, group: SequenceGroup, loras: set[int]) -> None:
+        """Run the group from now on; its adapter joins the step's `loras`."""
+        if group.lora is not None:
+            loras.add(id(group.lora))
         group.status = RequestStatus.RUNNING
         bisect.insort(self.running, group, key=queue_order)
