@@ -250,11 +250,9 @@ class LLMEngine:
             raise RequestRejected(str(error), "model") from None
 
     def add_lora(self, request: LoRARequest) -> str:
-        """Load an adapter now (a request naming it would load it anyway); ValueError names what
-        does not fit. Returns its name."""
-        if self.runner.loras is None:
-            raise ValueError("this engine serves no LoRA adapters (enable_lora)")
-        return self.runner.loras.get(request).name
+        """Load an adapter now (a request naming it would load it anyway); RequestRejected (a
+        ValueError) names what does not fit. Returns its name."""
+        return self._lora_adapter(request).name
 
     def remove_lora(self, name: str) -> bool:
         """Let go of a loaded adapter (requests running with it finish with it); whether it was loaded."""

@@ -115,7 +115,7 @@ class ModelRunner:
             )
 
         embeds = self._prompt_embeds(scheduled, input_ids, batch.query_start)
-        adapters = [s.seq.lora for s in scheduled]
+        adapters = [s.seq.lora for s in scheduled] if self.loras is not None else []
         loras = step_plan(adapters, batch.query_start.tolist(), self.device) if any(adapters) else []
         plan = cache.prepare(batch)
         if self._faults is not None:
