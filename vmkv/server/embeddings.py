@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StrictBool, StrictInt
 
-from vmkv.engine import RequestRejected, SamplingParams
+from vmkv.engine import LoRARequest, RequestRejected, SamplingParams
 from vmkv.server.errors import bad_request
 from vmkv.server.protocol import (
     MAX_REQUEST_ID_CHARS,
@@ -118,7 +118,7 @@ class EmbeddingServing(OpenAIServing):
         self.pooling = pooling
 
     async def create(self, body: EmbeddingRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         if body.dimensions not in (None, self.engine.hidden_size):
             raise bad_request(
                 f"this model's embeddings have {self.engine.hidden_size} dimensions, and it is not trained "
@@ -128,7 +128,7 @@ class EmbeddingServing(OpenAIServing):
         check_pooling_fields(body)
         prompts = await self.prompts(body)
         request_id = self.response_id(request, body.request_id, "embd")
-        vectors = await self.embed_all(request, request_id, prompts, body, "input")
+        vectors = await self.embed_all(request, request_id, prompts, body, "input", lora)
         if isinstance(vectors, Response):
             return vectors
         num_tokens = sum(len(prompt) for prompt in prompts)
@@ -136,18 +136,24 @@ class EmbeddingServing(OpenAIServing):
         response = EmbeddingResponse(
             id=request_id,
             created=now(),
-            model=self.answer_model(self.check_model(body.model)),
+            model=self.answer_model(lora),
             data=data,
             usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
         )
         return JSONResponse(response.model_dump())
 
     async def embed_all(
-        self, request: Request, request_id: str, prompts: list[list[int]], body: PoolingFields, param: str
+        self,
+        request: Request,
+        request_id: str,
+        prompts: list[list[int]],
+        body: PoolingFields,
+        param: str,
+        lora: LoRARequest | None,
     ) -> list[list[float]] | Response:
         """Each prompt's embedding, its engine requests run at once (with the body's cache salt and
-        priority); the answer to send instead when the client went away. A prompt the engine
-        refuses is a 400 naming `param`."""
+        priority, and `lora`, the adapter its model name serves); the answer to send instead when
+        the client went away. A prompt the engine refuses is a 400 naming `param`."""
         self.check_alive()
         try:
             self.engine.check_priority(body.priority)
@@ -155,7 +161,6 @@ class EmbeddingServing(OpenAIServing):
             raise bad_request(str(error), "priority") from error
         self.limits.check_queue(self.engine.stats().num_waiting)
         params = SamplingParams(pooling=self.pooling, max_tokens=1)
-        lora = self.check_model(body.model)
         for prompt in prompts:
             try:
                 self.engine.validate(prompt, params)

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StrictInt, model_validator
 
+from vmkv.engine import LoRARequest
 from vmkv.server.embeddings import MAX_INPUTS, EmbeddingServing, PoolingFields, check_pooling_fields
 from vmkv.server.errors import bad_request
 from vmkv.server.protocol import Text, now
@@ -127,14 +128,15 @@ class ScoreServing(EmbeddingServing):
                 f"the sides must be 1:1, 1:N or N:N; they are {len(queries)}:{len(documents)}", "text_1"
             )
         request_id = self.response_id(request, body.request_id, "score")
-        scores = await self.similarities(request, request_id, body, queries, documents)
+        lora = self.check_model(body.model)
+        scores = await self.similarities(request, request_id, body, queries, documents, lora)
         if isinstance(scores, Response):
             return scores
         similarity, num_tokens = scores
         response = ScoreResponse(
             id=request_id,
             created=now(),
-            model=self.answer_model(self.check_model(body.model)),
+            model=self.answer_model(lora),
             data=[ScoreData(index=i, score=score) for i, score in enumerate(similarity)],
             usage=ScoreUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
         )
@@ -143,7 +145,8 @@ class ScoreServing(EmbeddingServing):
     async def rerank(self, body: RerankRequest, request: Request) -> Response:
         documents = as_list(body.documents)
         request_id = self.response_id(request, body.request_id, "rerank")
-        scores = await self.similarities(request, request_id, body, [body.query], documents)
+        lora = self.check_model(body.model)
+        scores = await self.similarities(request, request_id, body, [body.query], documents, lora)
         if isinstance(scores, Response):
             return scores
         similarity, num_tokens = scores
@@ -154,7 +157,7 @@ class ScoreServing(EmbeddingServing):
         results.sort(key=lambda result: result.relevance_score, reverse=True)
         response = RerankResponse(
             id=request_id,
-            model=self.answer_model(self.check_model(body.model)),
+            model=self.answer_model(lora),
             usage=RerankUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
             results=results[: body.top_n or None],
         )
@@ -167,10 +170,11 @@ class ScoreServing(EmbeddingServing):
         body: ScoringFields,
         queries: list[str],
         documents: list[str],
+        lora: LoRARequest | None,
     ) -> tuple[list[float], int] | Response:
         """The cosine similarity of each (query, document) pair, a single query against every
-        document, and the tokens embedded; or the answer to send when the client went away."""
-        self.check_model(body.model)
+        document, and the tokens embedded (with `lora`, the model name's adapter); or the
+        answer to send when the client went away."""
         templated = "it is for templated scoring models; this server scores with its model's embeddings"
         check_supported(
             [
@@ -182,7 +186,8 @@ class ScoreServing(EmbeddingServing):
         query_ids = [await self.tokens(text, body, body.max_tokens_per_query, "query") for text in queries]
         document_ids = [await self.tokens(t, body, body.max_tokens_per_doc, "documents") for t in documents]
         unique = list(dict.fromkeys(tuple(ids) for ids in query_ids + document_ids))
-        vectors = await self.embed_all(request, request_id, [list(ids) for ids in unique], body, "documents")
+        prompts = [list(ids) for ids in unique]
+        vectors = await self.embed_all(request, request_id, prompts, body, "documents", lora)
         if isinstance(vectors, Response):
             return vectors
         by_prompt = dict(zip(unique, vectors, strict=True))
