@@ -79,7 +79,7 @@ class LoRAPair:
 
 @dataclass(eq=False)
 class LoRAAdapter:
-    """A loaded adapter: for each of the model's LoRA slots (lora_layers.LoRALayers.slots), its
+    """A loaded adapter: for each of the model's LoRA slots (lora_layers.hook_lora_slots), its
     LoRAPair, or None where it adds nothing."""
 
     name: str

@@ -122,15 +122,14 @@ def _hook(
     return _add_terms(args[0], output, slot)
 
 
-class LoRALayers:
-    """The model's LoRA slots, one per Linear of its decoder (not the vocabulary projection),
-    hooked at construction. `slots` maps each module's name to (in_features, out_features),
-    in slot order: what an adapter is read against (lora.read_adapter)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        lm_head = model.get_output_embeddings()
-        self.slots: dict[str, tuple[int, int]] = {}
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and module is not lm_head:
-                module.register_forward_hook(partial(_hook, len(self.slots)))
-                self.slots[name] = (module.in_features, module.out_features)
+def hook_lora_slots(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Hook every Linear of the model but its vocabulary projection as a LoRA slot; returns
+    each one's name and (in_features, out_features), in slot order: what an adapter is read
+    against (lora.read_adapter)."""
+    lm_head = model.get_output_embeddings()
+    slots: dict[str, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not lm_head:
+            module.register_forward_hook(partial(_hook, len(slots)))
+            slots[name] = (module.in_features, module.out_features)
+    return slots

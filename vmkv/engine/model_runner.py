@@ -22,7 +22,7 @@ from vmkv.engine.compiled import compile_decoder, compiled_stance
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.cpu_linear import linear_packing, pack_linears, pack_weight, packed_logits
 from vmkv.engine.lora import LoRAAdapters
-from vmkv.engine.lora_layers import LoRALayers, lora_step, step_plan
+from vmkv.engine.lora_layers import hook_lora_slots, lora_step, step_plan
 from vmkv.engine.outputs import PromptLogprob
 from vmkv.engine.scheduler import ScheduledSeq
 from vmkv.engine.sleep import ReleasedWeights, refill_weights
@@ -64,7 +64,7 @@ class ModelRunner:
     def _lora_adapters(self, config: EngineConfig) -> LoRAAdapters:
         """The model's linears hooked for LoRA, and the set adapters are loaded into: their A
         and B packed for the CPU's GEMM as the model's own linears are (cpu_linear.py)."""
-        slots = LoRALayers(self.model).slots
+        slots = hook_lora_slots(self.model)
         pack = None if self.packing is None else partial(pack_weight, packing=self.packing)
         return LoRAAdapters(
             slots, config.max_lora_rank, config.max_cpu_loras, config.torch_dtype, self.device, pack
