@@ -298,8 +298,8 @@ def test_an_embedding_runs_with_its_adapter(tiny_model_dir: Path, adapters: dict
 
 
 def test_a_plan_takes_each_adapters_rows_as_one_slice_where_they_are_contiguous() -> None:
-    first = LoRAAdapter("first", "/a", 2, [LoRAPair(torch.randn(2, 8), torch.randn(4, 2))])
-    second = LoRAAdapter("second", "/b", 2, [LoRAPair(torch.randn(2, 8), torch.randn(4, 2))])
+    first = LoRAAdapter("first", "/a", [LoRAPair(torch.randn(2, 8), torch.randn(4, 2))])
+    second = LoRAAdapter("second", "/b", [LoRAPair(torch.randn(2, 8), torch.randn(4, 2))])
     query_start = [0, 2, 3, 5, 9]
     plan = lora_layers.step_plan([first, first, None, second], query_start, torch.device("cpu"))
     assert plan == [(first, slice(0, 3)), (second, slice(5, 9))]

@@ -84,7 +84,6 @@ class LoRAAdapter:
 
     name: str
     path: str
-    rank: int
     weights: list[LoRAPair | None]
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -118,7 +117,6 @@ def read_adapter(
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A or B weight")
         pairs.setdefault(match[1], {})[match[2]] = tensor
     weights: dict[str, LoRAPair] = {}
-    rank = 0
     for module, pair in pairs.items():
         if module not in slots:
             raise ValueError(
@@ -150,10 +148,9 @@ def read_adapter(
         a = a.to(device=device, dtype=dtype).contiguous()
         b = (b.float() * scale).to(device=device, dtype=dtype).contiguous()
         weights[module] = LoRAPair(a, b) if pack is None else LoRAPair(a, b, pack(a), pack(b))
-        rank = max(rank, r)
     if not weights:
         raise ValueError(f"LoRA adapter {name!r} in {path} has no LoRA weights")
-    return LoRAAdapter(name, str(directory.resolve()), rank, [weights.get(module) for module in slots])
+    return LoRAAdapter(name, str(directory.resolve()), [weights.get(module) for module in slots])
 
 
 def _check_config(name: str, config: object) -> None:
