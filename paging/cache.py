@@ -198,9 +198,9 @@ class PagedKVCache(KVCache[PagedPlan]):
             )
         fresh = self._blocks_for(total) - len(seq.block_table)
         # the next step writes into the partly filled last block: copy it first if it is shared
-        shared_last = (
-            seq.num_tokens % self.block_size != 0 and self.pool.blocks[seq.block_table[-1]].ref_count > 1
-        )
+        # (a fork) or cached (a block a speculative step filled and truncate() cut short)
+        last = self.pool.blocks[seq.block_table[-1]] if seq.num_tokens % self.block_size else None
+        shared_last = last is not None and (last.ref_count > 1 or last.block_hash is not None)
         if fresh + shared_last > self.pool.num_free:
             raise OutOfKVMemory(fresh + shared_last, self.pool.num_free, "blocks")
         if shared_last:
@@ -214,6 +214,24 @@ class PagedKVCache(KVCache[PagedPlan]):
             seq.block_hashes += chain_hashes(
                 seq.token_ids, self.block_size, seq.identity, parent, len(seq.block_hashes)
             )
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Blocks wholly past num_tokens go back to the pool (a full one the prefix cache indexed
+        stays cached, its KV right for its tokens); an indexed block that now ends partly filled
+        is copied before its next write (grow)."""
+        seq = self._running(seq_id)
+        whole = isinstance(num_tokens, int) and not isinstance(num_tokens, bool)
+        if not whole or not 0 < num_tokens <= seq.num_tokens:
+            raise ValueError(f"sequence {seq_id} holds {seq.num_tokens} tokens: cannot keep {num_tokens!r}")
+        keep = self._blocks_for(num_tokens)
+        for b in reversed(seq.block_table[keep:]):
+            self.pool.release(self.pool.blocks[b])
+        del seq.block_table[keep:]
+        del seq.token_ids[num_tokens:]
+        full = num_tokens // self.block_size
+        del seq.block_hashes[full:]
+        del seq.block_keys[full:]
+        seq.num_computed = min(seq.num_computed, num_tokens)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         parent = self._running(parent_id)

@@ -180,6 +180,9 @@ class ContractLifecycle(RuleBasedStateMachine):
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         """Compute every pending token of some sequences in one step; check attention in every layer."""
+        self.run_step(data)
+
+    def run_step(self, data: st.DataObject) -> list[SeqStep]:
         chosen = data.draw(st.sets(st.sampled_from(self.resident()), min_size=1))
         steps = [
             SeqStep(s, self.computed[s], len(self.tokens[s]) - self.computed[s])
@@ -187,7 +190,7 @@ class ContractLifecycle(RuleBasedStateMachine):
             if len(self.tokens[s]) > self.computed[s]
         ]
         if not steps:
-            return
+            return []
         batch = StepBatch.build(steps)
         plan = self.cache.prepare(batch)
         for layer in range(SHAPE.num_layers):
@@ -201,6 +204,7 @@ class ContractLifecycle(RuleBasedStateMachine):
         for s in steps:
             self.computed[s.seq_id] = s.context_len
             self.history = [*self.history[-15:], (tuple(self.tokens[s.seq_id]), self.salts[s.seq_id])]
+        return steps
 
     @precondition(lambda self: self.history)
     @rule(data=st.data(), cut=st.sampled_from([32, 64, -1, -2]), tail=st.lists(st.integers(1, 3), max_size=3))
@@ -222,6 +226,32 @@ class ContractLifecycle(RuleBasedStateMachine):
             self.computed[self.next_id] = self.computed[parent]
             self.salts[self.next_id] = self.salts[parent]
             self.next_id += 1
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def speculative_step(self, data: st.DataObject) -> None:
+        """As the engine verifies drafts: a step computes some sequences' pending tokens, then
+        each keeps a prefix of what it wrote (at least one token) and drops the rest (truncate).
+        Later steps write other tokens there; the attention checks then show no dropped KV is
+        ever read, nor a prefix hit served from a block or page that held a dropped token."""
+        for s in self.run_step(data):
+            if data.draw(st.booleans()):
+                self.cut(s.seq_id, data.draw(st.integers(max(1, s.num_cached), s.context_len)))
+
+    @precondition(lambda self: any(len(self.tokens[s]) > self.computed[s] for s in self.resident()))
+    @rule(data=st.data())
+    def drop_reserved(self, data: st.DataObject) -> None:
+        """Room grown for tokens no step wrote yet is given back (a draft that will not run)."""
+        pending = [s for s in self.resident() if len(self.tokens[s]) > self.computed[s]]
+        seq_id = data.draw(st.sampled_from(pending))
+        self.cut(seq_id, data.draw(st.integers(max(1, self.computed[seq_id]), len(self.tokens[seq_id]))))
+
+    def cut(self, seq_id: int, keep: int) -> None:
+        self.cache.truncate(seq_id, keep)
+        del self.tokens[seq_id][keep:]
+        self.computed[seq_id] = min(self.computed[seq_id], keep)
+        with pytest.raises(ValueError):
+            self.cache.truncate(seq_id, keep + 1)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

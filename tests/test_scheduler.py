@@ -44,6 +44,11 @@ class TokenCache(KVCache):
         self._need(len(token_ids))
         self.lengths[seq_id] += len(token_ids)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        assert 0 < num_tokens <= self.lengths[seq_id]
+        self.lengths[seq_id] = num_tokens
+        self.events.append(("truncate", seq_id))
+
     def fork(self, parent_id: int, child_id: int) -> None:
         self._need(self.lengths[parent_id])
         self.lengths[child_id] = self.lengths[parent_id]
@@ -310,3 +315,20 @@ def test_no_waiting_prompt_is_announced_beyond_the_free_sequence_seats() -> None
         scheduler.add(make_group(i, 8, max_tokens=8))
     run_step(scheduler)
     assert cache.upcoming == []  # three run: no seat until one finishes
+
+
+def test_a_draft_never_preempts_anyone() -> None:
+    """Speculative decoding: a decoding sample gets a draft when the cache has room for it;
+    when it has not, the sample decodes its one token where a preemption would have made room."""
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_max": 1, "prompt_lookup_min": 1}
+    scheduler, cache = make_scheduler(21, speculative_config=spec)
+    groups = [make_group(0, 8, max_tokens=6), make_group(1, 8, max_tokens=6)]
+    for group in groups:
+        scheduler.add(group)
+    run_step(scheduler)  # both prompts (16 tokens), and one output token each
+    for group in groups:
+        group.seqs[0].token_ids[-1] = 1  # a token the prompt begins with: the proposer drafts 2, 3, 4
+    out = scheduler.schedule()
+    assert out.num_preempted == 0
+    assert {item.seq.seq_id: item.draft for item in out.scheduled} == {0: [2, 3, 4], 10: []}
+    assert cache.lengths == {0: 12, 10: 9}

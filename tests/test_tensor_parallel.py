@@ -246,6 +246,11 @@ class ReplicatedLifecycle(ContractLifecycle):
         else:
             assert torch.equal(self.replica.cache.kv, self.cache.kv)
 
+    # Speculative decoding is refused with tensor parallelism (EngineConfig): the ranks' caches
+    # never truncate, so the contract's truncating rules are not theirs.
+    speculative_step = None
+    drop_reserved = None
+
     def teardown(self) -> None:
         super().teardown()
         if self.cache is not None:

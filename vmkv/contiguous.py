@@ -104,6 +104,11 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
         self._check_len(seq.length + len(token_ids))
         seq.length += len(token_ids)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        seq = self._resident(seq_id)
+        self._check_truncate(seq_id, num_tokens, seq.length)
+        seq.length = num_tokens
+
     def fork(self, parent_id: int, child_id: int) -> None:
         parent = self._resident(parent_id)
         if child_id in self.seqs:

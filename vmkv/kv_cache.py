@@ -239,6 +239,12 @@ class KVCache(ABC, Generic[Plan]):
         Atomic: raises OutOfKVMemory and changes nothing when memory is short."""
 
     @abstractmethod
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Keep only the sequence's first num_tokens tokens (0 < num_tokens <= its length): the
+        rest count as never written, and the room they held may be given back. A speculative
+        step writes a draft's KV before the model has verified it; what it rejects goes here."""
+
+    @abstractmethod
     def fork(self, parent_id: int, child_id: int) -> None:
         """child_id starts as a copy of parent_id, sharing its KV where the layout can."""
 

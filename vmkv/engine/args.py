@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Collection
 
 import torch
@@ -231,6 +232,14 @@ def add_engine_arguments(
         default=d.max_cpu_loras,
         help="adapters kept loaded, least recently used let go of first (default: --max-loras)",
     )
+    add(
+        "speculative_config",
+        "--speculative-config",
+        default=d.speculative_config,
+        metavar="JSON",
+        help='speculative decoding by n-gram prompt lookup, as vLLM takes it: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (docs/engine.md)',
+    )
     missing = {f.name for f in dataclasses.fields(EngineConfig)} - named
     assert not missing, f"EngineConfig fields without a flag: {missing}"
 
@@ -329,4 +338,6 @@ def engine_flags(config: EngineConfig) -> list[str]:
             str(config.max_lora_rank),
         ]
         out += ["--max-cpu-loras", str(config.max_cpu_loras)]
+    if config.speculative_config is not None:
+        out += ["--speculative-config", json.dumps(config.speculative_config.as_dict())]
     return out

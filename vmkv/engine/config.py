@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vmkv.engine.speculative import SpeculativeConfig
 from vmkv.vattention.geometry import ORDERS
 
 KV_MODES = ("vattention", "paged", "contiguous")
@@ -82,6 +83,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    # Speculative decoding by n-gram prompt lookup (vmkv.engine.speculative): vLLM's
+    # speculative_config, as a SpeculativeConfig, its dict or its JSON text; None: off
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -139,6 +143,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu_loras!r}"
             )
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora is not supported with tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.compile_model:

@@ -94,6 +94,10 @@ class EngineStats:
     # the LoRA adapters of running and of waiting requests, by name (LoRA-aware routers read them)
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    # speculative decoding: drafts verified, their tokens, and of those the tokens accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -158,6 +162,8 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.peak_running_seqs = 0
+        # speculative decoding: drafts verified, their tokens, and of those the tokens accepted
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
         self._forward_failures: dict[str, int] = {}  # request id -> failed forwards in a row
         keep_step_buffers()  # a step's buffers stay in the heap for the next step (vmkv/heap.py)
@@ -486,13 +492,13 @@ class LLMEngine:
             return outputs
         self.num_steps += 1
         now = time.monotonic()
-        sampling: list[Sequence] = []  # each with a logits row, in order
+        sampling: list[ScheduledSeq] = []  # each with its logits rows, in order
         for item in sched.scheduled:
             group = self._group_of[item.seq.seq_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
             if item.samples and not group.params.pooling:
-                sampling.append(item.seq)
+                sampling.append(item)
             if item.seq.num_computed < item.seq.prompt_len:
                 self.prompt_tokens += min(item.num_new, item.seq.prompt_len - item.seq.num_computed)
 
@@ -518,7 +524,10 @@ class LLMEngine:
         if embedded:
             outputs += self._finish_embedded(embedded)
 
-        row_seqs, row_index = self._expand_forks(sampling)
+        drafted: list[tuple[ScheduledSeq, torch.Tensor]] = []
+        if any(item.draft for item in sampling):
+            logits, sampling, drafted = _split_drafts(logits, sampling)
+        row_seqs, row_index = self._expand_forks([item.seq for item in sampling])
         if row_index != list(range(len(sampling))):
             logits = logits[torch.tensor(row_index, device=logits.device)]
         self.generation_tokens += len(row_seqs)
@@ -528,17 +537,7 @@ class LLMEngine:
             outputs += self._search_beams(logits[beams], [row_seqs[i] for i in beams])
             rest = [i for i, g in enumerate(groups) if g.beam is None]
             logits, row_seqs, groups = logits[rest], [row_seqs[i] for i in rest], [groups[i] for i in rest]
-        rows = [
-            SampleRow(
-                g.params,
-                s.generator,
-                s.token_ids,
-                s.prompt_len,
-                None if s.thinking else s.grammar,
-                s.thinking,
-            )
-            for s, g in zip(row_seqs, groups, strict=True)
-        ]
+        rows = [_sample_row(s, g) for s, g in zip(row_seqs, groups, strict=True)]
         token_ids, logprobs_rows, failed = self._sample(logits, rows, groups) if rows else ([], [], {})
         outputs += self._fail(failed.values(), "sampling failed")
         now = time.monotonic()
@@ -549,7 +548,13 @@ class LLMEngine:
                 group.metrics.first_token_time = now
             self._append_token(seq, group, token, logprobs)
 
-        for group in {id(g): g for g in groups if id(g) not in failed}.values():
+        if drafted:  # a sample whose group failed above is gone with it
+            drafted = [(item, rows) for item, rows in drafted if item.seq.seq_id in self._group_of]
+            verified, verify_outputs = self._verify(drafted) if drafted else ([], [])
+            outputs += verify_outputs
+            groups += verified
+        running = (g for g in groups if id(g) not in failed and g.status is RequestStatus.RUNNING)
+        for group in {id(g): g for g in running}.values():
             self.scheduler.release_finished(group)
             outputs.append(self._retire(group) if group.finished else group.output())
         self._heap.trim_if_due()
@@ -594,6 +599,9 @@ class LLMEngine:
             sleep_level=self.sleep_level,
             running_loras=_lora_names(sched.running),
             waiting_loras=_lora_names(sched.waiting),
+            spec_drafts=self.spec_drafts,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
         )
 
     def check_health(self) -> None:
@@ -640,6 +648,54 @@ class LLMEngine:
                 token_ids.append(-1)
                 logprobs_rows.append(None)
         return token_ids, logprobs_rows, failed
+
+    def _verify(
+        self, drafted: list[tuple[ScheduledSeq, torch.Tensor]]
+    ) -> tuple[list[SequenceGroup], list[RequestOutput]]:
+        """Sample each drafted sequence's positions in turn, as decode steps would (speculative.py):
+        position j's token is appended, and while it equals draft token j the next position is
+        sampled too. Then each keeps the KV of its last token and its accepted draft tokens, the
+        cache's room past them given back. Returns the groups that gained tokens and the outputs
+        of those whose sampling failed."""
+        accepted = [0] * len(drafted)
+        active = list(range(len(drafted)))
+        outputs, failed = [], {}
+        for position in range(1 + max(len(item.draft) for item, _ in drafted)):
+            if not active:
+                break
+            seqs = [drafted[i][0].seq for i in active]
+            groups = [self._group_of[seq.seq_id] for seq in seqs]
+            rows = [_sample_row(seq, group) for seq, group in zip(seqs, groups, strict=True)]
+            logits = torch.stack([drafted[i][1][position] for i in active])
+            token_ids, logprobs_rows, failures = self._sample(logits, rows, groups)
+            failed.update(failures)
+            outputs += self._fail(failures.values(), "sampling failed")
+            going = []
+            sampled = zip(active, seqs, groups, token_ids, logprobs_rows, strict=True)
+            for i, seq, group, token, logprobs in sampled:
+                if group.finished:  # its sampling failed
+                    continue
+                self._append_token(seq, group, token, logprobs)
+                self.generation_tokens += 1
+                draft = drafted[i][0].draft
+                if position < len(draft) and token == draft[position] and not seq.finished:
+                    accepted[i] += 1
+                    going.append(i)
+            active = going
+        groups = []
+        for (item, _), count in zip(drafted, accepted, strict=True):
+            seq, group = item.seq, self._group_of.get(item.seq.seq_id)
+            self.spec_drafts += 1
+            self.spec_draft_tokens += len(item.draft)
+            self.spec_accepted_tokens += count
+            if group is None or id(group) in failed:
+                continue
+            seq.num_computed += count - len(item.draft)  # _advance counted every draft token
+            if not seq.finished:
+                self.cache.truncate(seq.seq_id, seq.num_computed)
+                seq.num_allocated = seq.num_computed
+            groups.append(group)
+        return groups, outputs
 
     def _retry_or_fail(self, scheduled: list[ScheduledSeq], error: Exception) -> list[RequestOutput]:
         """After a forward that raised: each of the step's requests is preempted (its KV freed,
@@ -934,6 +990,28 @@ class LLMEngine:
         if not self._groups:  # the last request left: what the steps freed goes back to the OS
             self._heap.trim()
         return group.output()
+
+
+def _sample_row(seq: Sequence, group: SequenceGroup) -> SampleRow:
+    grammar = None if seq.thinking else seq.grammar
+    return SampleRow(group.params, seq.generator, seq.token_ids, seq.prompt_len, grammar, seq.thinking)
+
+
+def _split_drafts(
+    logits: torch.Tensor, sampling: list[ScheduledSeq]
+) -> tuple[torch.Tensor, list[ScheduledSeq], list[tuple[ScheduledSeq, torch.Tensor]]]:
+    """The step's logits (ModelRunner.execute) parted: the rows of the items without a draft,
+    those items, and each item with a draft with its 1 + len(draft) rows."""
+    plain_rows, plain, drafted = [], [], []
+    row = 0
+    for item in sampling:
+        if item.draft:
+            drafted.append((item, logits[row : row + 1 + len(item.draft)]))
+        else:
+            plain_rows.append(row)
+            plain.append(item)
+        row += 1 + len(item.draft)
+    return logits[torch.tensor(plain_rows, dtype=torch.long, device=logits.device)], plain, drafted
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -90,21 +90,16 @@ class ModelRunner:
         keep_hidden: Sequence[int] = (),
         pooling: Collection[int] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run one step; returns float32 logits [S, V] for the scheduled rows that sample, in
-        order, and the final hidden states [num_new, H] of the scheduled items `keep_hidden`
+        """Run one step; returns float32 logits [S, V] for the scheduled items that sample, in
+        order, 1 + len(draft) rows for an item with a draft (its last token's and each draft
+        token's), and the final hidden states [num_new, H] of the scheduled items `keep_hidden`
         names (for prompt logprobs and pooling). Items in `pooling` are embedding requests:
         they never sample, so their last rows get no logits."""
         steps = [SeqStep(s.seq.seq_id, s.seq.num_computed, s.num_new) for s in scheduled]
         batch = StepBatch.build(steps, self.device)
         num_tokens = int(batch.query_start[-1])
         input_ids = torch.tensor(
-            list(
-                chain.from_iterable(
-                    s.seq.token_ids[s.seq.num_computed : s.seq.num_computed + s.num_new] for s in scheduled
-                )
-            ),
-            dtype=torch.long,
-            device=self.device,
+            list(chain.from_iterable(s.input_ids for s in scheduled)), dtype=torch.long, device=self.device
         )
         if batch.is_decode_only:  # row b is sequence b's one new token
             positions = batch.num_cached
@@ -136,7 +131,14 @@ class ModelRunner:
             hidden = hidden.last_hidden_state[0]
         cache.finish_step(plan)
         last_rows = [i for i, s in enumerate(scheduled) if s.samples and i not in pooling]
-        rows = batch.query_start[1:][last_rows] - 1
+        if any(s.draft for s in scheduled):
+            ends = batch.query_start[1:].tolist()
+            rows = torch.tensor(
+                [r for i in last_rows for r in range(ends[i] - 1 - len(scheduled[i].draft), ends[i])],
+                device=self.device,
+            )
+        else:
+            rows = batch.query_start[1:][last_rows] - 1
         starts = batch.query_start.tolist() if keep_hidden else []
         kept = [hidden[starts[i] : starts[i + 1]] for i in keep_hidden]
         return self._logits(hidden[rows]), kept

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
+from vmkv.engine.speculative import propose_ngram
 from vmkv.kv_cache import KVCache, OutOfKVMemory, UpcomingPrompt
 
 # Admit new work only while this fraction of the KV capacity stays free for running
@@ -43,13 +44,24 @@ def queue_order(group: SequenceGroup) -> tuple[int, int]:
 
 @dataclass
 class ScheduledSeq:
+    """A sequence's share of a step: num_new tokens from its first uncomputed one; a draft's
+    tokens (speculative decoding) come after its last token and count in num_new."""
+
     seq: Sequence
     num_new: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the sequence's last token, whose logits pick the next."""
-        return self.seq.num_computed + self.num_new == len(self.seq.token_ids)
+        return self.seq.num_computed + self.num_new - len(self.draft) == len(self.seq.token_ids)
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The tokens the step computes for the sequence."""
+        start = self.seq.num_computed
+        end = start + self.num_new - len(self.draft)
+        return self.seq.token_ids[start:end] + self.draft
 
 
 @dataclass
@@ -73,6 +85,7 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
         self.watermark_tokens = int(cache.free_capacity() * WATERMARK)
+        self.speculative = config.speculative_config
 
     # ------------------------------------------------------------- queries
     def has_unfinished(self) -> bool:
@@ -138,10 +151,10 @@ class Scheduler:
         for group in decoding + prefilling:
             if group.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            plan = self._plan(group, budget)
+            plan = self._plan(group, budget, speculate=True)
             if not plan:
                 continue
-            while not self._reserve(group):
+            while (fitted := self._fit(group, plan)) is None:
                 if len(self.running) == 1:
                     self._retry_alone(group, out)
                     break
@@ -153,8 +166,8 @@ class Scheduler:
                     break
             else:
                 group.alone_failures = 0
-                planned[group] = plan
-                budget -= sum(s.num_new for s in plan)
+                planned[group] = fitted
+                budget -= sum(s.num_new for s in fitted)
 
         if out.num_preempted == 0:
             loras = self._running_loras()  # grows as groups start
@@ -195,8 +208,9 @@ class Scheduler:
         return upcoming
 
     # ------------------------------------------------------------ planning
-    def _plan(self, group: SequenceGroup, budget: int) -> list[ScheduledSeq]:
-        """Tokens each live sample writes this step: all its uncomputed ones, chunked by budget.
+    def _plan(self, group: SequenceGroup, budget: int, speculate: bool = False) -> list[ScheduledSeq]:
+        """Tokens each live sample writes this step: all its uncomputed ones, chunked by budget,
+        and with `speculate` a decoding sample's draft (the caller reserves its room: _fit).
 
         A decoding group is planned whole or not at all, so its samples stay in lockstep.
         """
@@ -214,12 +228,51 @@ class Scheduler:
                 budget -= num_new
         if not group.is_prefilling and len(plan) < len(group.live_seqs):
             return []
+        if speculate and self.speculative is not None and not group.is_prefilling and group.beam is None:
+            for item in plan:  # the budget left after every sample's own token
+                if item.seq.num_output == 0:  # the first token samples alone: n > 1 forks from it
+                    continue
+                item.draft = self._draft(item.seq, group, budget)
+                item.num_new += len(item.draft)
+                budget -= len(item.draft)
         return plan
 
-    def _reserve(self, group: SequenceGroup) -> bool:
-        """Make the cache hold every token the group may write this step: pending forks first
-        (they copy the parent as prefilled, before the parent grows), then grows. Work already
-        done stays done when memory runs out midway, so a retry continues where this stopped."""
+    def _draft(self, seq: Sequence, group: SequenceGroup, budget: int) -> list[int]:
+        """The sequence's draft tokens (speculative.py): none past max_tokens, whose token
+        ends the sample, or past max_model_len, which the cache cannot hold."""
+        room = min(
+            budget,
+            group.params.max_tokens - seq.num_output - 1,
+            self.config.max_model_len - len(seq.token_ids),
+        )
+        return propose_ngram(seq.token_ids, self.speculative, room)
+
+    def _fit(self, group: SequenceGroup, plan: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
+        """The plan, its cache room reserved; short of memory, the plan without its drafts (a
+        draft never preempts anyone); None when even that does not fit."""
+        if self._reserve(group, plan):
+            return plan
+        if any(item.draft for item in plan):
+            plan = self._without_drafts(plan)
+            if self._reserve(group, plan):
+                return plan
+        return None
+
+    def _without_drafts(self, plan: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The plan with no draft, the cache room already taken for drafts given back."""
+        for item in plan:
+            seq = item.seq
+            if seq.num_allocated > len(seq.token_ids):
+                self.cache.truncate(seq.seq_id, len(seq.token_ids))
+                seq.num_allocated = len(seq.token_ids)
+        return [ScheduledSeq(item.seq, item.num_new - len(item.draft)) for item in plan]
+
+    def _reserve(self, group: SequenceGroup, plan: list[ScheduledSeq]) -> bool:
+        """Make the cache hold every token the group may write this step, its plan's drafts too:
+        pending forks first (they copy the parent as prefilled, before the parent grows), then
+        grows. Work already done stays done when memory runs out midway, so a retry continues
+        where this stopped."""
+        drafts = {id(item.seq): item.draft for item in plan if item.draft}
         try:
             for seq in group.live_seqs:
                 if seq.fork_parent is not None:
@@ -228,9 +281,10 @@ class Scheduler:
                     seq.fork_parent = None
             self._free_finished(group)
             for seq in group.live_seqs:
-                if seq.num_allocated < len(seq.token_ids):
-                    self.cache.grow(seq.seq_id, seq.token_ids[seq.num_allocated :])
-                    seq.num_allocated = len(seq.token_ids)
+                tokens = seq.token_ids + drafts[id(seq)] if id(seq) in drafts else seq.token_ids
+                if seq.num_allocated < len(tokens):
+                    self.cache.grow(seq.seq_id, tokens[seq.num_allocated :])
+                    seq.num_allocated = len(tokens)
         except OutOfKVMemory:
             return False
         return True
@@ -250,6 +304,10 @@ class Scheduler:
         self.num_preemptions += 1
         group.metrics.num_preemptions += 1
         if self.config.preemption_mode == "swap":
+            for seq in group.seqs:  # room taken for a draft this step: its step will not run
+                if seq.num_allocated > len(seq.token_ids):
+                    self.cache.truncate(seq.seq_id, len(seq.token_ids))
+                    seq.num_allocated = len(seq.token_ids)
             self.cache.swap_out([s.seq_id for s in group.seqs if s.num_allocated])
             group.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, group, key=queue_order)
@@ -298,8 +356,8 @@ class Scheduler:
                 break
             self.swapped.pop(0)
             self._start(group, loras)
-            plan = self._plan(group, budget)
-            if plan and self._reserve(group):
+            plan = self._plan(group, budget, speculate=True)
+            if plan and (plan := self._fit(group, plan)) is not None:
                 planned[group] = plan
                 budget -= sum(s.num_new for s in plan)
         return budget

@@ -176,6 +176,18 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
                 seq.token_ids += token_ids
                 seq.hashes = self.prefix.hashes(seq.token_ids, seq.identity, seq.hashes)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """The pages mapped past num_tokens stay in the slot, for the tokens that come next; a
+        chunk the prefix cache indexed from the dropped tokens is forgotten (prefix.py)."""
+        with self._lock:
+            seq = self._resident(seq_id)
+            self._check_truncate(seq_id, num_tokens, seq.length)
+            seq.length = num_tokens
+            seq.written = min(seq.written, num_tokens)
+            if self.prefix is not None:
+                self.prefix.forget_after(num_tokens, seq.hashes, seq.keys, self.table.slots[seq.slot].sets)
+                del seq.token_ids[num_tokens:]
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child maps the parent's full written pages (shared, immutable) and copies the rest."""
         with self._lock:

@@ -148,6 +148,24 @@ class PrefixIndex:
             keys.append(key)
             i += 1
 
+    def forget_after(self, num_tokens: int, hashes: list[int], keys: list[BlockKey], sets: list[int]) -> None:
+        """A sequence keeps only its first num_tokens tokens (a speculative step's rejected
+        draft): drop its chunk hashes and keys past them, and un-index the chunks it indexed from
+        its own pages (`sets`, its slot's) that hold a dropped token: it writes them again. A
+        chunk indexed from another sequence's pages stays."""
+        kept = 0
+        while kept < len(hashes) and self.end(kept) <= num_tokens:
+            kept += 1
+        for i in range(kept, len(keys)):
+            chunk = self.chunks.get(hashes[i])
+            own = sets[i * self.pages : (i + 1) * self.pages]
+            if chunk is not None and chunk.key is keys[i] and chunk.sets == own:
+                del self.chunks[hashes[i]]
+                for s in chunk.sets:
+                    self.pool.release(s, index=True)
+        del hashes[kept:]
+        del keys[kept:]
+
     def touch(self, chunks: Sequence[CachedChunk]) -> None:
         """Mark chunks used now, the last one least recent: eviction then gives up a prefix's
         tail before its head, which more requests share."""
