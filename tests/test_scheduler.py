@@ -332,3 +332,20 @@ def test_a_draft_never_preempts_anyone() -> None:
     assert out.num_preempted == 0
     assert {item.seq.seq_id: item.draft for item in out.scheduled} == {0: [2, 3, 4], 10: []}
     assert cache.lengths == {0: 12, 10: 9}
+
+
+def test_a_batch_size_schedule_stops_drafting_in_wide_batches() -> None:
+    spec = {
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 1,
+        "prompt_lookup_min": 1,
+        "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 8, 0]],
+    }
+    scheduler, _ = make_scheduler(1000, speculative_config=spec)
+    groups = [make_group(0, 8, max_tokens=6), make_group(1, 8, max_tokens=6)]
+    for group in groups:
+        scheduler.add(group)
+    run_step(scheduler)
+    for group in groups:
+        group.seqs[0].token_ids[-1] = 1
+    assert all(not item.draft for item in scheduler.schedule().scheduled)  # two running: k = 0

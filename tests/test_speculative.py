@@ -246,6 +246,18 @@ def test_the_config_reads_vllms_forms_and_refuses_what_it_cannot_do() -> None:
         EngineConfig(speculative_config={"num_speculative_tokens": 2}, tensor_parallel_size=2)
 
 
+def test_the_batch_size_schedule_picks_k_as_vllm_does() -> None:
+    """vLLM's num_speculative_tokens_per_batch_size: inclusive ranges from 1, a size in a gap or
+    past the last range takes the k before it, never more than num_speculative_tokens."""
+    key = "num_speculative_tokens_per_batch_size"
+    config = SpeculativeConfig.parse({"num_speculative_tokens": 4, key: [[1, 2, 6], [5, 8, 2], [9, 64, 0]]})
+    assert [config.tokens_at(b) for b in (1, 2, 3, 4, 5, 8, 9, 500)] == [4, 4, 4, 4, 2, 2, 0, 0]
+    assert SpeculativeConfig.parse(json.dumps(config.as_dict())) == config
+    for bad in ([[2, 4, 1]], [], [[1, 4, 2], [3, 6, 1]], [[1, 2, -1]], [[1, 2]], "1-4:2", [[1, 2, True]]):
+        with pytest.raises(ValueError, match=key):
+            SpeculativeConfig.parse({"num_speculative_tokens": 4, key: bad})
+
+
 # ------------------------------------------------------------------------ the cache's truncate
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)

@@ -86,6 +86,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.watermark_tokens = int(cache.free_capacity() * WATERMARK)
         self.speculative = config.speculative_config
+        self._draft_tokens = 0  # this step's most draft tokens a sample may have
 
     # ------------------------------------------------------------- queries
     def has_unfinished(self) -> bool:
@@ -144,6 +145,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.speculative is not None:
+            self._draft_tokens = self.speculative.tokens_at(self.num_running_seqs)
         planned: dict[SequenceGroup, list[ScheduledSeq]] = {}
 
         decoding = [g for g in self.running if not g.is_prefilling]
@@ -242,6 +245,7 @@ class Scheduler:
         ends the sample, or past max_model_len, which the cache cannot hold."""
         room = min(
             budget,
+            self._draft_tokens,
             group.params.max_tokens - seq.num_output - 1,
             self.config.max_model_len - len(seq.token_ids),
         )
@@ -281,10 +285,11 @@ class Scheduler:
                     seq.fork_parent = None
             self._free_finished(group)
             for seq in group.live_seqs:
-                tokens = seq.token_ids + drafts[id(seq)] if id(seq) in drafts else seq.token_ids
-                if seq.num_allocated < len(tokens):
-                    self.cache.grow(seq.seq_id, tokens[seq.num_allocated :])
-                    seq.num_allocated = len(tokens)
+                draft, start = drafts.get(id(seq), []), seq.num_allocated
+                if start < len(seq.token_ids) + len(draft):  # no copy of the whole sequence
+                    new = seq.token_ids[start:] + draft[max(0, start - len(seq.token_ids)) :]
+                    self.cache.grow(seq.seq_id, new)
+                    seq.num_allocated = start + len(new)
         except OutOfKVMemory:
             return False
         return True

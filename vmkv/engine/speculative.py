@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -38,12 +38,19 @@ class SpeculativeConfig:
 
     num_speculative_tokens: draft tokens per step at most; the last prompt_lookup_max down to
     prompt_lookup_min tokens are looked for earlier in the sequence, the longest match first.
+    num_speculative_tokens_per_batch_size: vLLM's batch-size schedule, ((first, last, k), ...)
+    inclusive ranges of running sequences, sorted, the first from 1; a size between or past the
+    ranges takes the k of the range before it; k = 0 turns drafting off. None: the same k at
+    every size. On a CPU a step's cost grows with its tokens once the batch is a few sequences
+    (docs/engine.md, "Speculative decoding"), where drafts that are not accepted cost more than
+    the steps they save.
     """
 
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -59,6 +66,21 @@ class SpeculativeConfig:
                 f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if self.num_speculative_tokens_per_batch_size is not None:
+            schedule = check_schedule(self.num_speculative_tokens_per_batch_size)
+            object.__setattr__(self, "num_speculative_tokens_per_batch_size", schedule)
+
+    def tokens_at(self, batch_size: int) -> int:
+        """Draft tokens per sequence at most in a step of batch_size running sequences."""
+        schedule = self.num_speculative_tokens_per_batch_size
+        if schedule is None:
+            return self.num_speculative_tokens
+        tokens = 0
+        for first, _, k in schedule:
+            if first > batch_size:
+                break
+            tokens = k
+        return min(tokens, self.num_speculative_tokens)
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, object] | str | None) -> SpeculativeConfig | None:
@@ -74,7 +96,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative config is not JSON: {error}") from None
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative config keys {unknown} are not supported; known: {sorted(known)}")
@@ -88,15 +110,38 @@ class SpeculativeConfig:
             prompt_lookup_max=high if high is not None else low,
             prompt_lookup_min=low if low is not None else high,
             method=value.get("method", "ngram"),
+            num_speculative_tokens_per_batch_size=value.get("num_speculative_tokens_per_batch_size"),
         )
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "method": self.method,
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "prompt_lookup_max": self.prompt_lookup_max,
-            "prompt_lookup_min": self.prompt_lookup_min,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_schedule(schedule: object) -> tuple[tuple[int, int, int], ...]:
+    """num_speculative_tokens_per_batch_size as vLLM validates it, as a tuple of triples."""
+    entries = list(schedule) if isinstance(schedule, list | tuple) else None
+    if not entries or not all(
+        isinstance(e, list | tuple)
+        and len(e) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
+        for e in entries
+    ):
+        raise ValueError(
+            "speculative num_speculative_tokens_per_batch_size must be a non-empty list of "
+            f"[first, last, num_speculative_tokens] integer triples, got {schedule!r}"
+        )
+    triples = sorted((tuple(e) for e in entries), key=lambda e: e[0])
+    previous = 0
+    for first, last, k in triples:
+        if not 0 < first <= last or k < 0 or first <= previous:
+            raise ValueError(
+                "speculative num_speculative_tokens_per_batch_size: ranges must be positive, "
+                f"first <= last, not overlapping, with k >= 0; got {schedule!r}"
+            )
+        previous = last
+    if triples[0][0] != 1:
+        raise ValueError("speculative num_speculative_tokens_per_batch_size must start at batch size 1")
+    return tuple(triples)
 
 
 def propose_ngram(token_ids: Sequence[int], config: SpeculativeConfig, limit: int) -> list[int]:
