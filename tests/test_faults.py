@@ -28,7 +28,7 @@ SMALL_BUDGET = 48 * 1024
 VATTENTION_BUDGET = 160 * 1024  # five 64-token slots' page sets
 
 
-def make_llm(model_dir: Path, kv_mode: str) -> LLM:
+def make_llm(model_dir: Path, kv_mode: str, **options: object) -> LLM:
     budget = {"vattention": VATTENTION_BUDGET, "paged": SMALL_BUDGET, "contiguous": 1 << 16}[kv_mode]
     return LLM(
         str(model_dir),
@@ -39,6 +39,7 @@ def make_llm(model_dir: Path, kv_mode: str) -> LLM:
         max_num_seqs=8,
         max_num_batched_tokens=32,
         page_size=4096,
+        **options,
     )
 
 
@@ -61,10 +62,14 @@ def test_the_spec_parses_and_unknown_faults_are_refused() -> None:
     assert faults.active() is None  # off unless asked for: production paths see None
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 @pytest.mark.parametrize("kv_mode", KV_MODES)
 def test_under_faults_only_the_requests_at_fault_fail_and_nothing_leaks(
-    tiny_model_dir: Path, kv_mode: str
+    tiny_model_dir: Path, kv_mode: str, speculative: bool
 ) -> None:
+    """With speculative decoding too: a draft's room is taken when the map fails, verification
+    samples the poisoned rows, and a failed forward drops a step with drafts; each request still
+    gets the tokens of a clean run without speculation, or fails alone."""
     prompts, poisoned = workload()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     clean = make_llm(tiny_model_dir, kv_mode)
@@ -73,8 +78,9 @@ def test_under_faults_only_the_requests_at_fault_fail_and_nothing_leaks(
 
     maps = {"map_enomem_every": 11, "map_delay_ms": 0.2} if kv_mode == "vattention" else {}
     injected = Faults(forward_fail_every=9, sample_poison_token=POISON, check_invariants=True, **maps)
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
     with faults.install(injected):
-        llm = make_llm(tiny_model_dir, kv_mode)
+        llm = make_llm(tiny_model_dir, kv_mode, speculative_config=spec if speculative else None)
     outputs = llm.generate(prompts, params)
     stats = llm.engine.stats()
     check_engine(llm.engine)
@@ -91,6 +97,7 @@ def test_under_faults_only_the_requests_at_fault_fail_and_nothing_leaks(
     if kv_mode == "vattention":
         assert injected.injected["map_enomem"] >= 1
     assert stats.memory.used_bytes == 0 and stats.num_running_seqs == 0
+    assert (stats.spec_draft_tokens > 0) == speculative
     assert not llm.engine.cache.seqs and stats.free_tokens == llm.engine.info.capacity_tokens
 
 

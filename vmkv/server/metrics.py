@@ -233,13 +233,9 @@ def engine_samples(engine: EngineStats) -> tuple[dict[str, Sample], dict[str, Sa
             "Prompt tokens found in the prefix cache.",
             engine.prefix_cache_hits,
         ),
-        "spec_decode_num_drafts_total": ("counter", "Number of spec decoding drafts.", engine.spec_drafts),
-        "spec_decode_num_draft_tokens_total": ("counter", "Draft tokens.", engine.spec_draft_tokens),
-        "spec_decode_num_accepted_tokens_total": (
-            "counter",
-            "Number of accepted tokens.",
-            engine.spec_accepted_tokens,
-        ),
+        "spec_decode_num_drafts_total": ("counter", "Speculative drafts verified.", engine.spec_drafts),
+        "spec_decode_num_draft_tokens_total": ("counter", "Draft tokens verified.", engine.spec_draft_tokens),
+        "spec_decode_num_accepted_tokens_total": ("counter", "Tokens accepted.", engine.spec_accepted_tokens),
     }
     own = {
         "kv_cache_reserved_bytes": (
