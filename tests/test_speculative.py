@@ -33,6 +33,7 @@ from vmkv.engine import scheduler as scheduler_module
 from vmkv.engine.args import engine_flags
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
+from vmkv.engine.sampling_params import StructuredOutput
 from vmkv.engine.speculative import SpeculativeConfig, propose_ngram
 from vmkv.kv_cache import KVShape, SeqStep, StepBatch
 from vmkv.model.store import load_tokenizer
@@ -176,6 +177,34 @@ def test_a_sample_ends_inside_an_accepted_draft(
     assert outputs[1].outputs[0].finish_reason == "stop"
     assert llm.engine.cache.memory().used_bytes == 0
     llm.close()
+
+
+def test_grammars_and_stop_strings_hold_through_accepted_drafts(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grammar's matcher advances over every accepted token and masks each position as a
+    decode step would (the JSON stays valid and the same); a stop string completed inside an
+    accepted run cuts the text there, as without speculation."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    structured = StructuredOutput("json", json.dumps(schema))
+    params = [
+        SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=40, structured=structured),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    ]
+    prompts = [[5, 6, 7, 8], list(range(40, 60))]
+    plain, _ = run(make_llm(tiny_model_dir, "paged", False), prompts, params)
+    stop = plain[1].outputs[0].text[10:14]
+    params[1] = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
+    plain, _ = run(make_llm(tiny_model_dir, "paged", False), prompts, params)
+    expected = [[(o.token_ids, o.text) for o in r.outputs] for r in plain]
+    full = [p + o.token_ids for p, r in zip(prompts, plain, strict=True) for o in r.outputs]
+    monkeypatch.setattr(scheduler_module, "propose_ngram", oracle_drafter(full, wrong=0.2))
+    outputs, stats = run(make_llm(tiny_model_dir, "paged", True), prompts, params)
+    assert [[(o.token_ids, o.text) for o in r.outputs] for r in outputs] == expected
+    assert stats.spec_accepted_tokens > 0
+    for sample in outputs[0].outputs:
+        assert "n" in json.loads(sample.text)
+    assert outputs[1].outputs[0].finish_reason == "stop" and stop not in outputs[1].outputs[0].text
 
 
 def test_the_ngram_proposer_speeds_up_text_that_repeats_its_prompt(tiny_model_dir: Path) -> None:
