@@ -123,6 +123,9 @@ def test_greedy_tokens_are_those_without_speculation_in_every_layout_under_preem
     )
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens  # accepted and rejected drafts
+    per_position = stats.spec_accepted_per_position  # a draft's tokens are accepted as a prefix
+    assert sum(per_position) == stats.spec_accepted_tokens
+    assert list(per_position) == sorted(per_position, reverse=True)
     assert stats.num_steps < plain_stats.num_steps
     assert stats.num_preemptions > 0 or kv_mode == "contiguous"  # its slots admit only what fits
     assert stats.generation_tokens == plain_stats.generation_tokens
@@ -376,6 +379,8 @@ def test_vmkv_serve_speculates_with_vllms_flag_and_reports_it_in_metrics(tiny_mo
         line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_draft_tokens_total")
     ]
     assert drafted and float(drafted[0].split()[-1]) > 0
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in metrics
+    assert ',position="2"}' in metrics  # positions 0, 1, 2 of 3-token drafts
     failed = subprocess.run(
         [
             sys.executable,

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
+from itertools import zip_longest
 
 import torch
 
@@ -233,7 +234,13 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
     """One EngineStats for several engines: counts and bytes summed, kv_usage averaged, the
     pause and sleep states the deepest any replica is in, the LoRA adapters any one runs or has
     waiting."""
-    combine = {"paused": max, "sleep_level": max, "running_loras": _names, "waiting_loras": _names}
+    combine = {
+        "paused": max,
+        "sleep_level": max,
+        "running_loras": _names,
+        "waiting_loras": _names,
+        "spec_accepted_per_position": _per_position,
+    }
     summed = {
         f.name: combine.get(f.name, sum)(getattr(s, f.name) for s in stats)
         for f in fields(EngineStats)
@@ -250,6 +257,10 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
         memory=memory,
         kv_stats=KVStats(**kv),
     )
+
+
+def _per_position(per_engine: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
+    return tuple(map(sum, zip_longest(*per_engine, fillvalue=0)))
 
 
 def _names(per_engine: Iterable[tuple[str, ...]]) -> tuple[str, ...]:

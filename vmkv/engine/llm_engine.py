@@ -98,6 +98,7 @@ class EngineStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()  # [p]: drafts whose token p was accepted
 
 
 class LLMEngine:
@@ -164,6 +165,8 @@ class LLMEngine:
         self.peak_running_seqs = 0
         # speculative decoding: drafts verified, their tokens, and of those the tokens accepted
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        spec = config.speculative_config
+        self.spec_accepted_per_position = [0] * (0 if spec is None else spec.num_speculative_tokens)
         self._faults = faults.active()  # None unless fault injection is on (vmkv/faults.py)
         self._forward_failures: dict[str, int] = {}  # request id -> failed forwards in a row
         keep_step_buffers()  # a step's buffers stay in the heap for the next step (vmkv/heap.py)
@@ -602,6 +605,7 @@ class LLMEngine:
             spec_drafts=self.spec_drafts,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_accepted_per_position=tuple(self.spec_accepted_per_position),
         )
 
     def check_health(self) -> None:
@@ -688,6 +692,8 @@ class LLMEngine:
             self.spec_drafts += 1
             self.spec_draft_tokens += len(item.draft)
             self.spec_accepted_tokens += count
+            for position in range(count):
+                self.spec_accepted_per_position[position] += 1
             if group is None or id(group) in failed:
                 continue
             seq.num_computed += count - len(item.draft)  # _advance counted every draft token

@@ -144,6 +144,7 @@ class ServingMetrics:
         ):
             self._sample(out, COMMON_PREFIX + name, "counter", help_text, [(self.labels, value)])
         self._request_success(out)
+        self._accepted_per_position(out, engines, labels)
         if self.max_loras:
             self._lora_info(out, engines)
         for histogram in (self.ttft, self.itl, self.tpot, self.e2e):
@@ -181,6 +182,21 @@ class ServingMetrics:
         }
         help_text = "Running and waiting LoRA adapters (labels); the value is when they were read."
         self._sample(out, COMMON_PREFIX + "lora_requests_info", "gauge", help_text, [(labels, time.time())])
+
+    def _accepted_per_position(
+        self, out: list[str], engines: list[EngineStats], labels: list[dict[str, str]]
+    ) -> None:
+        """vLLM's counter of accepted draft tokens by their position in the draft (label
+        `position`, from 0), with speculative decoding on: where acceptance falls off tells
+        how long drafts are worth making."""
+        values = [
+            ({**where, "position": str(p)}, count)
+            for where, engine in zip(labels, engines, strict=True)
+            for p, count in enumerate(engine.spec_accepted_per_position)
+        ]
+        if values:
+            name = COMMON_PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
+            self._sample(out, name, "counter", "Accepted draft tokens by position in the draft.", values)
 
     def _request_success(self, out: list[str]) -> None:
         name = COMMON_PREFIX + "request_success_total"
