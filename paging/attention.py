@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vmkv.decode_kernel import DecodeKernel, DecodePlan, load_decode_kernel, paged_plan
+from vmkv.decode_kernel import SHORT_CHUNK, DecodeKernel, DecodePlan, load_decode_kernel, paged_plan
 from vmkv.flash_support import flash_unusable_reason
 from vmkv.host_metadata import host_query_starts
 from vmkv.kv_cache import StepBatch
@@ -84,10 +84,11 @@ class SeqPart:
 
 @dataclass
 class DecodePart:
-    """The batch's one-token sequences, attended together."""
+    """The batch's one-token sequences, and with the decode kernel its short chunks over a
+    cached context, attended together: one row each, attending its context up to itself."""
 
     rows: torch.Tensor  # int64 [Bd]: their rows in the packed batch
-    whole_batch: bool  # every sequence decodes, rows == 0..T-1
+    whole_batch: bool  # every row is a decode row, rows == 0..T-1
     tables: torch.Tensor  # int32 [Bd, max_blocks]
     lens: torch.Tensor  # int32 [Bd]: context lengths
     max_len: int
@@ -241,27 +242,31 @@ class BatchedAttention:
         """rows: each sequence's table as a tensor kept by the cache (see table_rows)."""
         device = write_rows.device  # the cache's device, whatever the batch was built on
         starts = host_query_starts(batch)
-        parts, decode_ids = [], []
+        parts: list[SeqPart] = []
+        decode: list[tuple[int, int, int]] = []  # (row, context length, sequence) per decode row
         for i, (s, t) in enumerate(zip(batch.steps, tables, strict=True)):
             if s.num_new == 1:
-                decode_ids.append(i)
+                decode.append((starts[i], s.context_len, i))
+            elif self.use_kernel and s.num_cached and s.num_new <= SHORT_CHUNK:
+                decode += [(starts[i] + j, s.num_cached + j + 1, i) for j in range(s.num_new)]
             else:
                 blocks = None
                 if s.num_cached:
                     blocks = torch.tensor(t, device=device) if rows is None else rows[i][: len(t)].to(device)
                 mask = bottom_right_mask(s.num_cached, s.context_len, device)
                 parts.append(SeqPart(starts[i], starts[i + 1], s.num_cached, s.context_len, blocks, mask))
-        whole_batch = len(decode_ids) == len(batch.steps)
-        plan = PagedPlan(batch, write_rows, parts, kernel_appends=self.use_kernel and whole_batch)
-        if decode_ids:
-            lens = [batch.steps[i].context_len for i in decode_ids]
+        whole_batch = not parts
+        # the kernel writes a row's own k/v before reading it: only where no row reads another's
+        appends = self.use_kernel and whole_batch and len(decode) == len(batch.steps)
+        plan = PagedPlan(batch, write_rows, parts, kernel_appends=appends)
+        if decode:
+            lens = [length for _, length, _ in decode]
+            seqs = [i for _, _, i in decode]
             plan.decode = DecodePart(
-                rows=torch.tensor([starts[i] for i in decode_ids], dtype=torch.int64, device=device),
+                rows=torch.tensor([row for row, _, _ in decode], dtype=torch.int64, device=device),
                 whole_batch=whole_batch,
                 tables=table_rows(
-                    [tables[i] for i in decode_ids],
-                    None if rows is None else [rows[i] for i in decode_ids],
-                    device,
+                    [tables[i] for i in seqs], None if rows is None else [rows[i] for i in seqs], device
                 ),
                 lens=torch.tensor(lens, dtype=torch.int32, device=device),
                 max_len=max(lens),

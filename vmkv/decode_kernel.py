@@ -35,6 +35,12 @@ PREFETCH_LOCALITY = {"avx512_bf16_amx": 3, "avx512_bf16": 2, "other": 3}
 # Contexts are split over threads only when sequences are too few for the
 # cores, and never into pieces shorter than this (a piece's fixed cost is ~1 us).
 MIN_SPLIT_TOKENS = 256
+# A chunk of at most this many tokens over a cached context (a speculative step's last token and
+# draft) is attended as that many decode rows, each with its context ending at its own token:
+# causal within the chunk, and one kernel call for the step instead of a gather (paged) and an
+# SDPA call per sequence per layer. A 5-token chunk's attention per layer went from 0.09 to
+# 0.045 ms (paged, 2-core Zen 4) against 0.02 ms for one token.
+SHORT_CHUNK = 16
 
 
 class _Plan(ctypes.Structure):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from vmkv import flash_support
-from vmkv.decode_kernel import DecodeKernel, DecodePlan, dense_plan, load_decode_kernel
+from vmkv.decode_kernel import SHORT_CHUNK, DecodeKernel, DecodePlan, dense_plan, load_decode_kernel
 from vmkv.host_metadata import host_query_starts
 from vmkv.kv_cache import KVShape, SeqStep, StepBatch
 
@@ -107,7 +107,8 @@ def decode_kernels(mode: str, device: torch.device, shape: KVShape, use_flash: b
 
 @dataclass
 class KernelDecode:
-    """Every decode sequence of the step, attended by the CPU decode kernel."""
+    """Every decode row of the step, attended by the CPU decode kernel: one per decoding
+    sequence, and one per token of a short chunk over a cached context (SHORT_CHUNK)."""
 
     rows: torch.Tensor  # int64 [Bd] query rows
     slots: list[int]  # for the SDPA fallback when the kernel turns out unavailable
@@ -162,8 +163,12 @@ def plan_step(
     write = torch.tensor([write_slot, write_pos], device=device)
     plan = DenseSlotPlan(batch, write[0], write[1], [], [], use_flash=use_flash)
     plan.prefill_kernel = kernels is not None and not use_flash  # the layout runs its own kernels
+    kernel = not use_flash and kernels is not None and kernels.enabled
+    # short chunks over a cached context go to the kernel as decode rows (SHORT_CHUNK)
+    short = [kernel and s.num_new > 1 and s.num_cached > 0 and s.num_new <= SHORT_CHUNK for s in steps]
     decodes = [i for i, s in enumerate(steps) if s.num_new == 1]
-    prefills = [i for i, s in enumerate(steps) if s.num_new > 1]
+    chunks = [i for i in range(len(steps)) if short[i]]
+    prefills = [i for i, s in enumerate(steps) if s.num_new > 1 and not short[i]]
     if use_flash:
         if decodes:
             plan.flash_decode = FlashDecode(
@@ -173,12 +178,17 @@ def plan_step(
                     [steps[i].num_cached for i in decodes], dtype=torch.int32, device=device
                 ),
             )
-    elif kernels is not None and kernels.enabled and decodes:
+    elif kernel and (decodes or chunks):
         if kv_view is None:
             raise ValueError("the decode kernel needs the K/V view's strides (kv_view)")
         rows = [starts[i] for i in decodes]
         lens = [steps[i].context_len for i in decodes]
         slot_list = [slots[i] for i in decodes]
+        for i in chunks:  # row j of the chunk sees its context up to its own token
+            s = steps[i]
+            rows += range(starts[i], starts[i] + s.num_new)
+            lens += range(s.num_cached + 1, s.context_len + 1)
+            slot_list += [slots[i]] * s.num_new
         rows_t = torch.tensor(rows, dtype=torch.int64)
         plan.kernels = kernels
         plan.kernel_decode = KernelDecode(
