@@ -11,8 +11,9 @@ that is one fixed token this is speculative sampling's acceptance rule exactly: 
 kept with probability p(draft), and when it is not, the token sampled is distributed as p
 without the draft, the residual the rule samples from. So a request's tokens are distributed
 as without speculation, and a greedy or seeded one gets the same tokens (each emitted token
-takes one draw from its generator, as before) up to the floating-point difference between a
-decode step's attention and a chunk's.
+takes one draw from its generator, as before) up to floating-point differences between
+computing one position and several (none eager on the CPU, where a draft's attention runs
+through the decode kernel one row per token and its GEMM rows as a decode step's).
 
 On the CPU a step is bound by reading the weights at small batch: computing 1 + k positions
 costs little more than 1 (docs/engine.md, "Speculative decoding"), so each accepted draft
