@@ -38,9 +38,12 @@ MIN_SPLIT_TOKENS = 256
 # A chunk of at most this many tokens over a cached context (a speculative step's last token and
 # draft) is attended as that many decode rows, each with its context ending at its own token:
 # causal within the chunk, and one kernel call for the step instead of a gather (paged) and an
-# SDPA call per sequence per layer. A 5-token chunk's attention per layer went from 0.09 to
-# 0.045 ms (paged, 2-core Zen 4) against 0.02 ms for one token.
-SHORT_CHUNK = 16
+# SDPA call per sequence per layer. In an engine step (paged, batch 1, ~300 tokens of context)
+# a 5-token chunk's attention went from 0.09 to 0.045 ms a layer, one token's being 0.02 ms.
+# Alone, each row reads the whole context: one sequence's 8-token chunk over 2,000-4,000 tokens
+# took 0.27-0.52 ms against 0.34-0.67 the old way (paged) and 0.29-0.56 against 0.27-0.53
+# (vattention); at 16 rows it was as often slower as faster, hence 8 (drafts of up to 7 tokens).
+SHORT_CHUNK = 8
 
 
 class _Plan(ctypes.Structure):
