@@ -12,8 +12,8 @@ kept with probability p(draft), and when it is not, the token sampled is distrib
 without the draft, the residual the rule samples from. So a request's tokens are distributed
 as without speculation, and a greedy or seeded one gets the same tokens (each emitted token
 takes one draw from its generator, as before) up to floating-point differences between
-computing one position and several (none eager on the CPU, where a draft's attention runs
-through the decode kernel one row per token and its GEMM rows as a decode step's).
+computing one position and several (none seen eager on the CPU, where a draft's attention
+runs through the decode kernel one row per token: docs/engine.md).
 
 On the CPU a step is bound by reading the weights at small batch: computing 1 + k positions
 costs little more than 1 (docs/engine.md, "Speculative decoding"), so each accepted draft
