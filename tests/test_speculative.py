@@ -28,7 +28,7 @@ from test_engine_process import vmkv_serve
 from torch._dynamo.utils import counters
 from vmkv.paging import PagedKVCache
 
-from vmkv.engine import LLM, SamplingParams
+from vmkv.engine import LLM, LoRARequest, SamplingParams
 from vmkv.engine import scheduler as scheduler_module
 from vmkv.engine.args import engine_flags
 from vmkv.engine.config import EngineConfig
@@ -37,6 +37,7 @@ from vmkv.engine.sampling_params import StructuredOutput
 from vmkv.engine.speculative import SpeculativeConfig, propose_ngram
 from vmkv.kv_cache import KVShape, SeqStep, StepBatch
 from vmkv.model.store import load_tokenizer
+from vmkv.model.tiny import build_random_lora
 from vmkv.server.metrics import engine_samples
 from vmkv.vattention import VAttentionKVCache
 
@@ -397,3 +398,27 @@ def test_vmkv_serve_speculates_with_vllms_flag_and_reports_it_in_metrics(tiny_mo
         timeout=120,
     )
     assert failed.returncode != 0 and "eagle" in failed.stderr
+
+
+def test_a_lora_adapters_requests_speculate_with_its_weights(
+    tiny_model_dir: Path, prompts: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drafted sample's rows are one slice of the step, so its adapter's terms reach every
+    verified position: the tokens are those of the same adapter without speculation."""
+    lora = LoRARequest("first", 1, str(build_random_lora(tiny_model_dir, tmp_path / "first", seed=1)))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = [lora, None, lora]
+    plain_llm = make_llm(tiny_model_dir, "vattention", False, enable_lora=True)
+    plain = plain_llm.generate(prompts[:3], params, lora_request=requests)
+    plain_llm.close()
+    expected = [o.outputs[0].token_ids for o in plain]
+    full = [p + e for p, e in zip(prompts, expected, strict=False)]
+    monkeypatch.setattr(scheduler_module, "propose_ngram", oracle_drafter(full))
+    llm = make_llm(tiny_model_dir, "vattention", True, enable_lora=True)
+    outputs = llm.generate(prompts[:3], params, lora_request=requests)
+    stats = llm.engine.stats()
+    llm.close()
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    base, _ = run(make_llm(tiny_model_dir, "vattention", False), prompts[:1], params)
+    assert expected[0] != base[0].outputs[0].token_ids  # the adapter changes the tokens
+    assert stats.spec_accepted_tokens > 0
