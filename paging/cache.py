@@ -25,7 +25,16 @@ from dataclasses import asdict, dataclass
 import torch
 from vmkv.drivers import require_available, zeros_on_huge_pages
 
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, SequenceTooLong, StepBatch
+from vmkv.kv_cache import (
+    KVCache,
+    KVMemory,
+    KVShape,
+    KVStats,
+    OutOfKVMemory,
+    SequenceTooLong,
+    StepBatch,
+    check_truncate,
+)
 
 from .attention import (
     BatchedAttention,
@@ -220,9 +229,7 @@ class PagedKVCache(KVCache[PagedPlan]):
         stays cached, its KV right for its tokens); an indexed block that now ends partly filled
         is copied before its next write (grow)."""
         seq = self._running(seq_id)
-        whole = isinstance(num_tokens, int) and not isinstance(num_tokens, bool)
-        if not whole or not 0 < num_tokens <= seq.num_tokens:
-            raise ValueError(f"sequence {seq_id} holds {seq.num_tokens} tokens: cannot keep {num_tokens!r}")
+        check_truncate(seq_id, num_tokens, seq.num_tokens)
         keep = self._blocks_for(num_tokens)
         for b in reversed(seq.block_table[keep:]):
             self.pool.release(self.pool.blocks[b])

@@ -18,7 +18,7 @@ from vmkv.dense.attention import attend_dense, check_attend_args
 from vmkv.dense.plan import DEFAULT_MAX_PADDING, DenseSlotPlan, plan_step
 from vmkv.dense.sequences import DenseSlotSequences
 from vmkv.drivers import require_available
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, StepBatch
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, OutOfKVMemory, StepBatch, check_truncate
 
 
 @dataclass
@@ -106,7 +106,7 @@ class ContiguousKVCache(DenseSlotSequences[_Seq], KVCache[DenseSlotPlan]):
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         seq = self._resident(seq_id)
-        self._check_truncate(seq_id, num_tokens, seq.length)
+        check_truncate(seq_id, num_tokens, seq.length)
         seq.length = num_tokens
 
     def fork(self, parent_id: int, child_id: int) -> None:

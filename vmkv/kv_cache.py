@@ -208,6 +208,12 @@ class KVStats:
         return replace(self, **{k: v - getattr(before, k) for k, v in self.present().items()})
 
 
+def check_truncate(seq_id: int, num_tokens: int, length: int) -> None:
+    """KVCache.truncate's argument check, the same in every layout: keep 1..length tokens."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 < num_tokens <= length:
+        raise ValueError(f"sequence {seq_id} holds {length} tokens: cannot keep {num_tokens!r}")
+
+
 Plan = TypeVar("Plan")
 
 

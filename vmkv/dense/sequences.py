@@ -20,11 +20,6 @@ class DenseSlotSequences(Generic[S]):
     max_len: int
     seqs: dict[int, S]
 
-    @staticmethod
-    def _check_truncate(seq_id: int, num_tokens: int, length: int) -> None:
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 < num_tokens <= length:
-            raise ValueError(f"sequence {seq_id} holds {length} tokens: cannot keep {num_tokens!r}")
-
     def _check_len(self, length: int) -> None:
         if length > self.max_len:
             raise SequenceTooLong(f"{length} tokens exceed max_len {self.max_len}")

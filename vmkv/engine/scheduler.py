@@ -265,11 +265,15 @@ class Scheduler:
     def _without_drafts(self, plan: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """The plan with no draft, the cache room already taken for drafts given back."""
         for item in plan:
-            seq = item.seq
-            if seq.num_allocated > len(seq.token_ids):
-                self.cache.truncate(seq.seq_id, len(seq.token_ids))
-                seq.num_allocated = len(seq.token_ids)
+            self._drop_draft_room(item.seq)
         return [ScheduledSeq(item.seq, item.num_new - len(item.draft)) for item in plan]
+
+    def _drop_draft_room(self, seq: Sequence) -> None:
+        """Give back cache room taken for the sequence's draft this step (the only time a
+        sequence holds room past its tokens)."""
+        if seq.num_allocated > len(seq.token_ids):
+            self.cache.truncate(seq.seq_id, len(seq.token_ids))
+            seq.num_allocated = len(seq.token_ids)
 
     def _reserve(self, group: SequenceGroup, plan: list[ScheduledSeq]) -> bool:
         """Make the cache hold every token the group may write this step, its plan's drafts too:
@@ -309,10 +313,8 @@ class Scheduler:
         self.num_preemptions += 1
         group.metrics.num_preemptions += 1
         if self.config.preemption_mode == "swap":
-            for seq in group.seqs:  # room taken for a draft this step: its step will not run
-                if seq.num_allocated > len(seq.token_ids):
-                    self.cache.truncate(seq.seq_id, len(seq.token_ids))
-                    seq.num_allocated = len(seq.token_ids)
+            for seq in group.seqs:  # its step will not run
+                self._drop_draft_room(seq)
             self.cache.swap_out([s.seq_id for s in group.seqs if s.num_allocated])
             group.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, group, key=queue_order)

@@ -40,7 +40,7 @@ from vmkv.dense.attention import attend_dense, check_attend_args
 from vmkv.dense.plan import DenseSlotPlan, decode_kernels, flash_usable, plan_step
 from vmkv.dense.sequences import DenseSlotSequences
 from vmkv.drivers import MemoryDriver
-from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, StepBatch, UpcomingPrompt
+from vmkv.kv_cache import KVCache, KVMemory, KVShape, KVStats, StepBatch, UpcomingPrompt, check_truncate
 from vmkv.vattention import swap
 from vmkv.vattention.ahead import MapAhead
 from vmkv.vattention.budget import size_cache
@@ -181,7 +181,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         chunk the prefix cache indexed from the dropped tokens is forgotten (prefix.py)."""
         with self._lock:
             seq = self._resident(seq_id)
-            self._check_truncate(seq_id, num_tokens, seq.length)
+            check_truncate(seq_id, num_tokens, seq.length)
             seq.length = num_tokens
             seq.written = min(seq.written, num_tokens)
             if self.prefix is not None:
