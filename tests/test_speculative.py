@@ -32,6 +32,7 @@ from vmkv.engine import LLM, LoRARequest, SamplingParams
 from vmkv.engine import scheduler as scheduler_module
 from vmkv.engine.args import engine_flags
 from vmkv.engine.config import EngineConfig
+from vmkv.engine.draft_length import StepCost
 from vmkv.engine.oracle import CHAT_PROMPTS, chat_prompt_ids, compare, reference_greedy
 from vmkv.engine.sampling_params import StructuredOutput
 from vmkv.engine.speculative import SpeculativeConfig, propose_ngram
@@ -237,6 +238,38 @@ def brute_force_proposal(tokens: list[int], config: SpeculativeConfig, limit: in
             start = (full[-1] if full else ends[-1]) + 1
             return tokens[start : start + k]
     return []
+
+
+def test_a_costly_token_is_drafted_where_drafts_are_kept_and_cut_where_they_fail(
+    tiny_model_dir: Path,
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a step whose tokens cost what the batch does (the threshold pinned) and half the
+    requests drafting their true continuation, half a wrong one, the adaptive engine keeps about
+    the accepted tokens of the fixed one and verifies few of the wrong ones; both emit the tokens
+    of the engine without speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain, _ = run(make_llm(tiny_model_dir, "paged", False), prompts, params)
+    expected = [o.outputs[0].token_ids for o in plain]
+    full = [p + e for p, e in zip(prompts, expected, strict=True)]
+    right, wrong = oracle_drafter(full[::2], wrong=0.0), oracle_drafter(full[1::2], wrong=0.0)
+
+    def propose(token_ids: Sequence[int], config: SpeculativeConfig, limit: int) -> list[int]:
+        return right(token_ids, config, limit) or [(t + 1) % 384 for t in wrong(token_ids, config, limit)]
+
+    monkeypatch.setattr(scheduler_module, "propose_ngram", propose)
+    # a step of a + b * tokens seconds, a = 5 ms, b = 1 ms: at 8 sequences a token pays from 0.62
+    monkeypatch.setattr(StepCost, "threshold", lambda self, batch: 0.001 * batch / (0.005 + 0.001 * batch))
+    stats = {}
+    for adaptive in (False, True):
+        spec = {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        llm = make_llm(tiny_model_dir, "paged", True, speculative_config=spec | {"adaptive_length": adaptive})
+        outputs, stats[adaptive] = run(llm, prompts, params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    rejected = {a: s.spec_draft_tokens - s.spec_accepted_tokens for a, s in stats.items()}
+    assert stats[True].spec_accepted_tokens >= 0.8 * stats[False].spec_accepted_tokens
+    assert 0 < rejected[True] < 0.3 * rejected[False]
 
 
 @given(

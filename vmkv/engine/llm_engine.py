@@ -489,6 +489,7 @@ class LLMEngine:
         """Advance every scheduled request by one step; returns the outputs of those that gained
         tokens or finished (a prefill chunk that samples nothing reports nothing)."""
         outputs = self._admit_compiled()
+        started, emitted = time.perf_counter(), self.generation_tokens
         sched = self.scheduler.schedule()
         outputs += [self._retire(group) for group in sched.failed]
         if not sched.scheduled:
@@ -561,6 +562,11 @@ class LLMEngine:
             self.scheduler.release_finished(group)
             outputs.append(self._retire(group) if group.finished else group.output())
         self._heap.trim_if_due()
+        draft_length = self.scheduler.draft_length
+        if draft_length is not None and all(item.num_new - len(item.draft) == 1 for item in sched.scheduled):
+            tokens, emitted = sum(item.num_new for item in sched.scheduled), self.generation_tokens - emitted
+            seconds = time.perf_counter() - started
+            draft_length.cost.observe(len(sched.scheduled), tokens, emitted, seconds)  # decode steps only
         return self._checked(outputs)
 
     def stats(self, kv_max_age: float = 0.0) -> EngineStats:
@@ -694,6 +700,8 @@ class LLMEngine:
             self.spec_accepted_tokens += count
             for position in range(count):
                 self.spec_accepted_per_position[position] += 1
+            if self.scheduler.draft_length is not None:
+                self.scheduler.draft_length.verified(seq.drafts, len(item.draft), count)
             if group is None or id(group) in failed:
                 continue
             seq.num_computed += count - len(item.draft)  # _advance counted every draft token

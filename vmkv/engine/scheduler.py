@@ -25,6 +25,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from vmkv.engine.config import EngineConfig
+from vmkv.engine.draft_length import DraftLength
 from vmkv.engine.sequence import FinishReason, RequestStatus, Sequence, SequenceGroup
 from vmkv.engine.speculative import propose_ngram
 from vmkv.kv_cache import KVCache, OutOfKVMemory, UpcomingPrompt
@@ -87,6 +88,8 @@ class Scheduler:
         self.watermark_tokens = int(cache.free_capacity() * WATERMARK)
         self.speculative = config.speculative_config
         self._draft_tokens = 0  # this step's most draft tokens a sample may have
+        adaptive = self.speculative is not None and self.speculative.adaptive_length
+        self.draft_length = DraftLength() if adaptive else None
 
     # ------------------------------------------------------------- queries
     def has_unfinished(self) -> bool:
@@ -147,6 +150,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.speculative is not None:
             self._draft_tokens = self.speculative.tokens_at(self.num_running_seqs)
+            if self.draft_length is not None:
+                self.draft_length.start_step(self.num_running_seqs)
         planned: dict[SequenceGroup, list[ScheduledSeq]] = {}
 
         decoding = [g for g in self.running if not g.is_prefilling]
@@ -249,7 +254,10 @@ class Scheduler:
             group.params.max_tokens - seq.num_output - 1,
             self.config.max_model_len - len(seq.token_ids),
         )
-        return propose_ngram(seq.token_ids, self.speculative, room)
+        draft = propose_ngram(seq.token_ids, self.speculative, room)
+        if self.draft_length is not None and draft:
+            del draft[self.draft_length.length(seq.drafts, len(draft)) :]
+        return draft
 
     def _fit(self, group: SequenceGroup, plan: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
         """The plan, its cache room reserved; short of memory, the plan without its drafts (a

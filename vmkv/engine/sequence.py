@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vmkv.engine.detokenizer import IncrementalDetokenizer
+from vmkv.engine.draft_length import DraftRecord
 from vmkv.engine.outputs import CompletionOutput, PromptLogprob, RequestMetrics, RequestOutput
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.stop_strings import stop_hold, visible_text
@@ -67,6 +68,7 @@ class Sequence:
     thinking: bool = False
     prompt_embeds: torch.Tensor | None = None  # its request's, fed for the prompt's positions
     lora: LoRAAdapter | None = None  # its request's adapter
+    drafts: DraftRecord = field(default_factory=DraftRecord)  # its speculative drafts' acceptance
 
     @property
     def num_output(self) -> int:

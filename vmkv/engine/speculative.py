@@ -45,6 +45,9 @@ class SpeculativeConfig:
     every size. On a CPU a step's cost grows with its tokens once the batch is a few sequences
     (docs/engine.md, "Speculative decoding"), where drafts that are not accepted cost more than
     the steps they save.
+    adaptive_length (vmkv's own key): cut each proposal to the tokens whose chance of being
+    accepted pays for their compute at the step's batch size, both measured as the engine runs
+    (draft_length.py); False verifies every proposed token, as vLLM does.
     """
 
     num_speculative_tokens: int
@@ -52,6 +55,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     method: str = "ngram"
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    adaptive_length: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -62,6 +66,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.adaptive_length, bool):
+            raise ValueError(f"speculative adaptive_length must be a bool, got {self.adaptive_length!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
@@ -112,6 +118,7 @@ class SpeculativeConfig:
             prompt_lookup_min=low if low is not None else high,
             method=value.get("method", "ngram"),
             num_speculative_tokens_per_batch_size=value.get("num_speculative_tokens_per_batch_size"),
+            adaptive_length=value.get("adaptive_length", True),
         )
 
     def as_dict(self) -> dict[str, object]:
