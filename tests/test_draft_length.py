@@ -107,3 +107,17 @@ def test_adaptive_length_is_on_by_default_and_reads_as_a_bool() -> None:
     )
     with pytest.raises(ValueError, match="adaptive_length must be a bool"):
         SpeculativeConfig.parse({"num_speculative_tokens": 2, "adaptive_length": "yes"})
+
+
+def test_when_every_proposal_is_refused_the_engine_tries_drafts_again_within_tens_of_steps() -> None:
+    policy = DraftLength()
+    for _ in range(40):
+        policy.verified(DraftRecord(), 4, 0)  # the engine's drafts failed; then nobody drafts
+    policy.threshold = 0.5
+    steps = 0
+    while policy.length(DraftRecord(), 4) == 0:
+        policy.start_step(16)
+        policy.threshold = 0.5
+        steps += 1
+        assert steps < 100
+    assert steps > 10

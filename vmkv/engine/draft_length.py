@@ -20,8 +20,9 @@ Speculative Decoding for Serving Large Language Models Using Goodput"), decided 
   its context drafts at once).
 
 A refused proposal fades the sample's own evidence toward the engine's rate, so a sample that
-starts repeating its context after failed drafts tries again within a few steps, and all try
-again when the batch shrinks.
+starts repeating its context after failed drafts tries again within a few steps; and a step
+that refused any fades the engine's toward certainty, so drafts that nobody verifies (a
+workload that changed) are tried again within tens of steps, not never.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from dataclasses import dataclass
 STEP_DECAY = 0.98
 # the least spread of tokens (standard deviation) over the remembered steps that fits a line
 MIN_TOKEN_SPREAD = 1.0
-# memory of a sample's own drafts and of the engine's, in verified drafts
+# memory of a sample's own drafts (~5) and of the engine's (~50), per verified draft
 SAMPLE_DECAY = 0.8
-# a refused proposal halves a sample's evidence: one that starts repeating its context after
-# failed drafts tries again within a few steps
-REFUSED_DECAY = 0.5
 ENGINE_DECAY = 0.98
+# a refused proposal halves the sample's evidence (tried again within a few steps), a step with
+# one fades the engine's (tried again within ~30 steps when the engine's rate was poor)
+REFUSED_DECAY = 0.5
+REFUSED_ENGINE_DECAY = 0.9
 # the engine's rate counts as this many verified tokens of a sample's own evidence
 PRIOR_WEIGHT = 2.0
 
@@ -102,8 +104,12 @@ class DraftLength:
         self.cost = StepCost()
         self.engine = DraftRecord()
         self.threshold = 0.0  # this step's least chance of acceptance that pays
+        self._refused = False  # whether this step refused a proposal
 
     def start_step(self, batch: int) -> None:
+        if self._refused:
+            self.engine.add(0, 0, REFUSED_ENGINE_DECAY)
+        self._refused = False
         self.threshold = self.cost.threshold(batch)
 
     def length(self, record: DraftRecord, proposed: int) -> int:
@@ -117,6 +123,7 @@ class DraftLength:
             length += 1
         if length == 0 and proposed:
             record.add(0, 0, REFUSED_DECAY)  # refused: its own evidence fades toward the engine's
+            self._refused = True
         return length
 
     def verified(self, record: DraftRecord, drafted: int, kept: int) -> None:
