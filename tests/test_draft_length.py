@@ -71,24 +71,49 @@ def test_a_draft_keeps_the_tokens_whose_chance_of_acceptance_reaches_the_thresho
     assert policy.length(record, proposed) == expected
 
 
-def test_a_new_sample_starts_from_the_engines_rate_and_a_refused_one_returns_to_it() -> None:
+def propose(policy: DraftLength, record: DraftRecord, kept: int) -> int:
+    """A proposal of 4 tokens cut by the policy and verified, `kept` of them kept at most."""
+    drafted = policy.length(record, 4)
+    if drafted:
+        policy.verified(record, drafted, min(kept, drafted))
+    return drafted
+
+
+def test_a_new_sample_starts_from_the_engines_rate() -> None:
     policy = DraftLength()
     policy.threshold = 0.5
-    assert policy.length(DraftRecord(), 4) == 4  # nothing seen yet: draft
+    assert propose(policy, DraftRecord(), 4) == 4  # nothing seen yet: draft
     for _ in range(40):
-        policy.verified(DraftRecord(), 4, 0)  # the engine's drafts fail
+        propose(policy, DraftRecord(), 0)  # the engine's drafts fail
     assert policy.length(DraftRecord(), 4) == 0
-    for _ in range(40):
-        policy.verified(DraftRecord(), 4, 4)  # ...then succeed
-    assert policy.length(DraftRecord(), 4) == 4
-    poor = DraftRecord()
+
+
+def test_a_sample_refused_for_its_own_failures_tries_again_within_a_few_steps() -> None:
+    policy, good, poor = DraftLength(), DraftRecord(), DraftRecord()
+    policy.threshold = 0.5
     for _ in range(5):
-        policy.verified(poor, 4, 0)  # this sample's own drafts failed
+        propose(policy, good, 4)
+        propose(policy, poor, 0)
     refusals = 0
     while policy.length(poor, 4) == 0:
+        propose(policy, good, 4)  # others' drafts keep the engine's rate high
         refusals += 1
-        assert refusals < 20
+        assert refusals < 10
     assert refusals > 0
+
+
+def test_drafts_kept_less_often_than_estimated_are_cut_shorter() -> None:
+    """Calibration: the tokens kept over those the rates estimated scales every estimate."""
+    policy, record = DraftLength(), DraftRecord(kept=20.0)
+    policy.threshold = 0.5
+    assert policy.length(record, 4) == 4
+    lengths = []
+    for _ in range(100):
+        lengths.append(policy.length(record, 4))
+        policy.verified(record, lengths[-1], min(1, lengths[-1]))  # one token kept at most
+        record.kept, record.rejected = 20.0, 0.0  # the sample's own rate stays high
+    assert 0.3 < policy.calibration < 0.8
+    assert sum(lengths[50:]) / 50 < 2.5
 
 
 def test_rejected_tokens_after_the_first_are_no_evidence() -> None:
