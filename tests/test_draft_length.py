@@ -68,12 +68,12 @@ def test_a_draft_keeps_the_tokens_whose_chance_of_acceptance_reaches_the_thresho
     record = DraftRecord(float(kept), float(rejected))
     alpha = record.rate(policy.engine.rate(1.0, 1.0), 2.0)
     expected = next((j for j in range(proposed) if alpha ** (j + 1) < threshold), proposed)
-    assert policy.length(record, proposed) == expected
+    assert policy.allowed(record, proposed) == expected
 
 
 def propose(policy: DraftLength, record: DraftRecord, kept: int) -> int:
     """A proposal of 4 tokens cut by the policy and verified, `kept` of them kept at most."""
-    drafted = policy.length(record, 4)
+    drafted = policy.allowed(record, 4)
     if drafted:
         policy.verified(record, drafted, min(kept, drafted))
     return drafted
@@ -85,7 +85,7 @@ def test_a_new_sample_starts_from_the_engines_rate() -> None:
     assert propose(policy, DraftRecord(), 4) == 4  # nothing seen yet: draft
     for _ in range(40):
         propose(policy, DraftRecord(), 0)  # the engine's drafts fail
-    assert policy.length(DraftRecord(), 4) == 0
+    assert policy.allowed(DraftRecord(), 4) == 0
 
 
 def test_a_sample_refused_for_its_own_failures_tries_again_within_a_few_steps() -> None:
@@ -95,7 +95,7 @@ def test_a_sample_refused_for_its_own_failures_tries_again_within_a_few_steps() 
         propose(policy, good, 4)
         propose(policy, poor, 0)
     refusals = 0
-    while policy.length(poor, 4) == 0:
+    while policy.allowed(poor, 4) == 0:
         propose(policy, good, 4)  # others' drafts keep the engine's rate high
         refusals += 1
         assert refusals < 10
@@ -106,10 +106,10 @@ def test_drafts_kept_less_often_than_estimated_are_cut_shorter() -> None:
     """Calibration: the tokens kept over those the rates estimated scales every estimate."""
     policy, record = DraftLength(), DraftRecord(kept=20.0)
     policy.threshold = 0.5
-    assert policy.length(record, 4) == 4
+    assert policy.allowed(record, 4) == 4
     lengths = []
     for _ in range(100):
-        lengths.append(policy.length(record, 4))
+        lengths.append(policy.allowed(record, 4))
         policy.verified(record, lengths[-1], min(1, lengths[-1]))  # one token kept at most
         record.kept, record.rejected = 20.0, 0.0  # the sample's own rate stays high
     assert 0.3 < policy.calibration < 0.8
@@ -140,7 +140,7 @@ def test_when_every_proposal_is_refused_the_engine_tries_drafts_again_within_ten
         policy.verified(DraftRecord(), 4, 0)  # the engine's drafts failed; then nobody drafts
     policy.threshold = 0.5
     steps = 0
-    while policy.length(DraftRecord(), 4) == 0:
+    while policy.allowed(DraftRecord(), 4) == 0:
         policy.start_step(16)
         policy.threshold = 0.5
         steps += 1

@@ -254,10 +254,9 @@ class Scheduler:
             group.params.max_tokens - seq.num_output - 1,
             self.config.max_model_len - len(seq.token_ids),
         )
-        draft = propose_ngram(seq.token_ids, self.speculative, room)
-        if self.draft_length is not None and draft:
-            del draft[self.draft_length.length(seq.drafts, len(draft)) :]
-        return draft
+        if self.draft_length is not None and room > 0:
+            room = self.draft_length.allowed(seq.drafts, room)
+        return propose_ngram(seq.token_ids, self.speculative, room)
 
     def _fit(self, group: SequenceGroup, plan: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
         """The plan, its cache room reserved; short of memory, the plan without its drafts (a
