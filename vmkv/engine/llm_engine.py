@@ -489,7 +489,7 @@ class LLMEngine:
         """Advance every scheduled request by one step; returns the outputs of those that gained
         tokens or finished (a prefill chunk that samples nothing reports nothing)."""
         outputs = self._admit_compiled()
-        started, emitted = time.perf_counter(), self.generation_tokens
+        started, emitted_before = time.perf_counter(), self.generation_tokens
         sched = self.scheduler.schedule()
         outputs += [self._retire(group) for group in sched.failed]
         if not sched.scheduled:
@@ -564,8 +564,8 @@ class LLMEngine:
         self._heap.trim_if_due()
         draft_length = self.scheduler.draft_length
         if draft_length is not None and all(item.num_new - len(item.draft) == 1 for item in sched.scheduled):
-            tokens, emitted = sum(item.num_new for item in sched.scheduled), self.generation_tokens - emitted
-            seconds = time.perf_counter() - started
+            tokens = sum(item.num_new for item in sched.scheduled)
+            emitted, seconds = self.generation_tokens - emitted_before, time.perf_counter() - started
             draft_length.cost.observe(len(sched.scheduled), tokens, emitted, seconds)  # decode steps only
         return self._checked(outputs)
 
