@@ -238,7 +238,8 @@ def add_engine_arguments(
         default=d.speculative_config,
         metavar="JSON",
         help='speculative decoding by n-gram prompt lookup, as vLLM takes it: \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (docs/engine.md)',
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; drafts are cut to the tokens that pay '
+        'at the batch size unless "adaptive_length": false (docs/engine.md)',
     )
     missing = {f.name for f in dataclasses.fields(EngineConfig)} - named
     assert not missing, f"EngineConfig fields without a flag: {missing}"
