@@ -72,7 +72,7 @@ class StepCost:
 
     def __init__(self) -> None:
         self._n = self._x = self._y = self._xx = self._xy = 0.0
-        self._seqs = self._computed = self._emitted = 0.0
+        self._seqs = self._emitted = 0.0
         self.line: tuple[float, float] | None = None  # (a, b) seconds; None until tokens varied
 
     def observe(self, sequences: int, tokens: int, emitted: int, seconds: float) -> None:
@@ -85,7 +85,6 @@ class StepCost:
         self._xx = self._xx * d + tokens * tokens
         self._xy = self._xy * d + tokens * seconds
         self._seqs = self._seqs * d + sequences
-        self._computed = self._computed * d + tokens
         self._emitted = self._emitted * d + emitted
         spread = self._n * self._xx - self._x * self._x  # n^2 * variance of tokens
         if spread >= (self._n * MIN_TOKEN_SPREAD) ** 2:
@@ -99,7 +98,7 @@ class StepCost:
         if self.line is None:
             return 0.0
         a, b = self.line
-        emitted, computed = self._emitted / self._seqs, self._computed / self._seqs
+        emitted, computed = self._emitted / self._seqs, self._x / self._seqs
         step = a + b * batch * computed
         return b * batch * emitted / step if step > 0 else 0.0
 
@@ -110,18 +109,17 @@ class DraftLength:
     def __init__(self) -> None:
         self.cost = StepCost()
         self.engine = DraftRecord()
-        self._kept = self._expected = 0.0  # tokens kept, and estimated to be, by recent drafts
+        self._expected = 0.0  # tokens recent drafts were estimated to keep (engine.kept: kept)
         self.threshold = 0.0  # this step's least chance of acceptance that pays
         self._refused = False  # whether this step refused a proposal
 
     @property
     def calibration(self) -> float:
-        return (self._kept + CALIBRATION_WEIGHT) / (self._expected + CALIBRATION_WEIGHT)
+        return (self.engine.kept + CALIBRATION_WEIGHT) / (self._expected + CALIBRATION_WEIGHT)
 
     def start_step(self, batch: int) -> None:
         if self._refused:
             self.engine.add(0, 0, REFUSED_ENGINE_DECAY)
-            self._kept *= REFUSED_ENGINE_DECAY
             self._expected *= REFUSED_ENGINE_DECAY
         self._refused = False
         self.threshold = self.cost.threshold(batch)
@@ -130,10 +128,10 @@ class DraftLength:
         """How many draft tokens, `most` at most, the sample may verify this step. Asked before
         the n-gram lookup, which a sample refused skips (~30 µs a sample at 2,000 tokens)."""
         record.alpha = record.rate(self.engine.rate(1.0, 1.0), PRIOR_WEIGHT)
-        chance, length = 1.0, 0
+        chance, length, calibration = 1.0, 0, self.calibration
         while length < most:
             chance *= record.alpha
-            if chance * self.calibration < self.threshold:
+            if chance * calibration < self.threshold:
                 break
             length += 1
         if length == 0 and most:
@@ -147,5 +145,4 @@ class DraftLength:
         rejected = 1 if kept < drafted else 0
         record.add(kept, rejected, SAMPLE_DECAY)
         self.engine.add(kept, rejected, ENGINE_DECAY)
-        self._kept = self._kept * ENGINE_DECAY + kept
         self._expected = self._expected * ENGINE_DECAY + sum(record.alpha**j for j in range(1, drafted + 1))
