@@ -26,12 +26,14 @@ Read floor (second table): each kernel column again, on its own cache of the sam
 the kernel built with -DREAD_ONLY: the same work items, cursors and prefetches, every K and V
 row loaded, no arithmetic. What a layout's access pattern costs on this machine (pages, DRAM
 rows, prefetch) is then told apart from the compute the kernel does not hide behind it.
+`--against FLAGS` puts another build of the kernel there instead (e.g. `--against=-DNO_AMX`:
+the vector scores on a CPU whose kernel scores on AMX tiles), for an A/B in one run.
 
 Prefill: one new 1,000-token prompt, and the second 500-token chunk of one, per layout.
 Prepare: host time of prepare() for a batch-64 decode step at two contexts (it should not
 grow with the context).
 
-    python benchmarks/bench_kernels.py --quick
+    python benchmarks/bench_kernels.py --quick [--batch 1] [--against=-DNO_AMX]
 """
 
 from __future__ import annotations
@@ -128,11 +130,11 @@ def attend_runner(cache: KVCache, batch: StepBatch, layers: int = 1) -> Callable
 
 
 @contextmanager
-def read_only_kernels() -> Iterator[None]:
-    """Caches that load their decode kernel inside this get its -DREAD_ONLY build."""
+def kernels_built_with(flags: tuple[str, ...]) -> Iterator[None]:
+    """Caches that load their decode kernel inside this get the build with these extra flags."""
 
     def load(dtype: torch.dtype, group: int, head_dim: int, extra_flags: tuple[str, ...] = ()):
-        return load_decode_kernel(dtype, group, head_dim, (*extra_flags, "-DREAD_ONLY"))
+        return load_decode_kernel(dtype, group, head_dim, (*extra_flags, *flags))
 
     with (
         mock.patch("vmkv.dense.plan.load_decode_kernel", load),
@@ -141,9 +143,9 @@ def read_only_kernels() -> Iterator[None]:
         yield
 
 
-def floor_runner(cache: KVCache, batch: StepBatch, layers: int) -> Callable[[], None]:
-    """attend_runner with the read-only kernel: loaded by its first call, kept by the cache."""
-    with read_only_kernels():
+def built_runner(cache: KVCache, batch: StepBatch, layers: int, flags: tuple[str, ...]) -> Callable[[], None]:
+    """attend_runner with the kernel built with `flags`: loaded by its first call, kept by the cache."""
+    with kernels_built_with(flags):
         run = attend_runner(cache, batch, layers)
         run()
     return run
@@ -180,32 +182,38 @@ VATTENTION_KERNELS = DECODE[:3]
 PAGED_KERNELS = ["paged kernel", "paged kernel, blocks in runs"]
 
 
-def decode_table(batch: int, contexts: list[int], rounds: int, with_torch: bool, page_size: int) -> None:
+def decode_table(
+    batch: int, contexts: list[int], rounds: int, with_torch: bool, page_size: int, against: tuple[str, ...]
+) -> None:
+    """The second table times each kernel column again, built with `against` (extra compiler
+    flags) on its own cache of the same layout; by default -DREAD_ONLY, the read floor."""
     kinds = DECODE + (["paged torch"] if with_torch else [])
     kernels = (*VATTENTION_KERNELS, *PAGED_KERNELS)
+    second = against or ("-DREAD_ONLY",)
+    label = "floor" if not against else f"[{' '.join(against)}]"
     header = ["context", "layers read", "K/V MB per layer", "copy GB/s", "roofline ms"]
     header += [f"{k} ms" for k in kinds]
     header += [
         "kernel / roofline (head, token, packed, paged, paged in runs)",
         "best vattention kernel vs paged kernel",
     ]
-    floor_header = ["context", "roofline ms", *(f"{k} floor ms" for k in kernels)]
-    floor_header += ["floor / roofline", "kernel / floor"]
-    rows, floor_rows = [], []
+    second_header = ["context", "roofline ms", *(f"{k} {label} ms" for k in kernels)]
+    second_header += [f"{label} / roofline", f"kernel / {label}"]
+    rows, second_rows = [], []
     for context in contexts:
         lens = [context] * batch
         layer_bytes = batch * context * shape().bytes_per_token
         layers = min(MODEL_LAYERS, -(-DECODE_READ_BYTES // layer_bytes))
         caches = {k: make_cache(k, context, batch * context, layers, page_size) for k in kinds}
-        floors = {k: make_cache(k, context, batch * context, layers, page_size) for k in kernels}
+        seconds = {k: make_cache(k, context, batch * context, layers, page_size) for k in kernels}
         try:
             runners = {"copy": copy_runner()}
             runners |= {k: attend_runner(c, admit_all(c, lens, 1), layers) for k, c in caches.items()}
-            for k, c in floors.items():
-                runners[f"{k} floor"] = floor_runner(c, admit_all(c, lens, 1), layers)
+            for k, c in seconds.items():
+                runners[f"{k} {label}"] = built_runner(c, admit_all(c, lens, 1), layers, second)
             t = interleaved_medians(runners, rounds)
         finally:
-            for c in (*caches.values(), *floors.values()):
+            for c in (*caches.values(), *seconds.values()):
                 c.close()
         per_layer = {k: v / layers for k, v in t.items()}
         bandwidth = 2 * COPY_BYTES / t["copy"]
@@ -218,17 +226,20 @@ def decode_table(batch: int, contexts: list[int], rounds: int, with_torch: bool,
             + [f"{per_layer[k] * 1e3:.3f}" for k in kinds]
             + [ratios, f"{speedup:.2f}x"]
         )
-        floor = {k: per_layer[f"{k} floor"] for k in kernels}
-        floor_rows.append(
+        other = {k: per_layer[f"{k} {label}"] for k in kernels}
+        second_rows.append(
             [str(context), f"{roof * 1e3:.3f}"]
-            + [f"{floor[k] * 1e3:.3f}" for k in kernels]
-            + [", ".join(f"{floor[k] / roof:.2f}x" for k in kernels)]
-            + [", ".join(f"{per_layer[k] / floor[k]:.2f}x" for k in kernels)]
+            + [f"{other[k] * 1e3:.3f}" for k in kernels]
+            + [", ".join(f"{other[k] / roof:.2f}x" for k in kernels)]
+            + [", ".join(f"{per_layer[k] / other[k]:.2f}x" for k in kernels)]
         )
     threads = torch.get_num_threads()
     print_table(f"Decode attention per layer, batch {batch}, {threads} threads", header, rows)
-    title = f"Read floor per layer (the kernel's walk without its arithmetic), batch {batch}"
-    print_table(title, floor_header, floor_rows)
+    if against:
+        title = f"The kernel built with {' '.join(against)}, per layer, batch {batch}"
+    else:
+        title = f"Read floor per layer (the kernel's walk without its arithmetic), batch {batch}"
+    print_table(title, second_header, second_rows)
 
 
 def prefill_table(prompt: int, rounds: int) -> None:
@@ -283,6 +294,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--with-torch", action="store_true", help="add the paged gather + SDPA column")
     parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="vattention's, in bytes")
+    parser.add_argument(
+        "--against",
+        default="",
+        help="compiler flags of a second decode-kernel build timed beside the default one, e.g. -DNO_AMX",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -302,7 +318,7 @@ def main() -> None:
     print(pages)
     granted = "granted" if anon_huge_pages() else "not granted (transparent_hugepage/enabled)"
     print(f"paged pool: huge pages asked, {granted}" if huge_page_size() else "paged pool: no huge pages")
-    decode_table(args.batch, contexts, rounds, args.with_torch, args.page_size)
+    decode_table(args.batch, contexts, rounds, args.with_torch, args.page_size, tuple(args.against.split()))
     prefill_table(1000, rounds)
     prepare_table(args.batch, [contexts[0], contexts[-1]], rounds)
 

@@ -5,7 +5,9 @@ stride, as vattention's page-rounded columns have) and scattered paged blocks. T
 fp32 2e-5 (reduction order); bf16/fp16 are compared with the reference on the same rounded
 values, so only rounding inside the kernel and of its output remains: 2e-2 / 4e-3 absolute
 for O(1) values. The AVX2 variant (-mno-avx512f) runs where the compiler targets x86, so
-CPUs without AVX-512 or AVX512-BF16 have their code path checked here too.
+CPUs without AVX-512 or AVX512-BF16 have their code path checked here too; where the CPU has
+AMX tiles (whose build scores on them), so does the -DNO_AMX build's vector path. Paged blocks
+of a tile's 16 tokens (read in place by the AMX path) and of 8 (copied) are both checked.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from vmkv.kv_cache import SeqStep
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-VARIANTS = [(), pytest.param(("-mno-avx512f",), marks=pytest.mark.skipif(not X86, reason="x86 only"))]
+AMX = torch.cpu._is_amx_tile_supported()
+VARIANTS = [
+    (),
+    pytest.param(("-mno-avx512f",), marks=pytest.mark.skipif(not X86, reason="x86 only")),
+    # where the default build scores on AMX tiles, the vector path that CPUs without them run
+    pytest.param(("-DNO_AMX",), marks=pytest.mark.skipif(not AMX, reason="the default build has no AMX")),
+]
 BLOCK = 16
 
 
@@ -50,20 +58,23 @@ def _layouts(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator) -> dict[str
     b, length, h, d = k.shape
     token = [torch.zeros(b + 2, length + 5, h, d, dtype=k.dtype) for _ in range(2)]
     head = [torch.zeros(b + 2, h, length + 7, d, dtype=k.dtype) for _ in range(2)]
-    width = -(-length // BLOCK)
-    order = torch.randperm(b * width, generator=gen)
-    blocks = [torch.zeros(b * width, BLOCK, h, d, dtype=k.dtype) for _ in range(2)]
-    for src, t, hm, bl in zip((k, v), token, head, blocks, strict=True):
+    for src, t, hm in zip((k, v), token, head, strict=True):
         t[1 : b + 1, :length] = src
         hm[1 : b + 1, :, :length] = src.transpose(1, 2)
-        padded = torch.zeros(b, width * BLOCK, h, d, dtype=k.dtype)
-        padded[:, :length] = src
-        bl[order] = padded.view(-1, BLOCK, h, d)
-    return {
+    layouts = {
         "token-major": (token[0], token[1], None),
         "head-major": (head[0].transpose(1, 2), head[1].transpose(1, 2), None),
-        "paged": (blocks[0], blocks[1], order.view(b, width).to(torch.int32)),
     }
+    for block in (BLOCK, BLOCK // 2):  # blocks of a tile's tokens, and smaller
+        width = -(-length // block)
+        order = torch.randperm(b * width, generator=gen)
+        blocks = [torch.zeros(b * width, block, h, d, dtype=k.dtype) for _ in range(2)]
+        for src, bl in zip((k, v), blocks, strict=True):
+            padded = torch.zeros(b, width * block, h, d, dtype=k.dtype)
+            padded[:, :length] = src
+            bl[order] = padded.view(-1, block, h, d)
+        layouts[f"paged, blocks of {block}"] = (blocks[0], blocks[1], order.view(b, width).to(torch.int32))
+    return layouts
 
 
 def _check(
@@ -244,7 +255,8 @@ def test_kernel_appends_the_new_token_before_attending(flags: tuple) -> None:
 
 def _flip(kc: torch.Tensor, table: torch.Tensor | None, i: int, t: int) -> None:
     """Bit 0 of sequence i's K at token t, head 1, dimension 0 (fp32), in _layouts' storage."""
-    row = kc[1 + i, t] if table is None else kc[table[i, t // BLOCK], t % BLOCK]
+    block = kc.shape[1]
+    row = kc[1 + i, t] if table is None else kc[table[i, t // block], t % block]
     row[1, 0:1].view(torch.int32).bitwise_xor_(1)
 
 
