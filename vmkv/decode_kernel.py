@@ -29,8 +29,9 @@ _DTYPE_MACROS = {torch.bfloat16: "KV_BF16", torch.float16: "KV_F16", torch.float
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
 # Where the kernel's prefetches put K/V lines (PREFETCH_LOCALITY in the source), per CPU kind:
 # 2 is L2, 3 is L1. L2 read nearly twice as fast from memory on a Zen 4 EPYC (avx512_bf16 without
-# AMX; decode_kernel_source.py); on an AMX Xeon (compute-bound there) and an AVX2 Zen 3, L2 and L3
-# measured level or worse with the L1 prefetches (docs/vattention.md), so those keep L1.
+# AMX; decode_kernel_source.py); on an AMX Xeon (with the vector kernel, compute-bound there, and
+# with the tile kernel) and an AVX2 Zen 3, L2 and L3 measured level or worse with the L1
+# prefetches (docs/vattention.md), so those keep L1.
 PREFETCH_LOCALITY = {"avx512_bf16_amx": 3, "avx512_bf16": 2, "other": 3}
 # Contexts are split over threads only when sequences are too few for the
 # cores, and never into pieces shorter than this (a piece's fixed cost is ~1 us).
