@@ -209,6 +209,33 @@ def test_builds_are_cached_across_processes(monkeypatch: pytest.MonkeyPatch, tmp
     assert load_decode_kernel(torch.float32, 1, 16) is not None
 
 
+def test_torchs_own_kernels_give_the_same_bits_around_the_decode_kernel() -> None:
+    """On an AMX CPU the kernel loads a tile configuration of its own on torch's threads, which
+    torch's AMX kernels (oneDNN's GEMMs, SDPA's micro-GEMMs) also run on: a GEMM and an SDPA
+    call after it give the bits they gave before. (This torch's kernels load their own
+    configuration on every call: with the kernel releasing the tiles instead of loading back
+    the configuration it found, this passed too. Elsewhere it holds trivially.)"""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(48, 576, generator=gen).to(torch.bfloat16)
+    w = torch.randn(1536, 576, generator=gen).to(torch.bfloat16)
+    q, k, v = (torch.randn(1, h, 300, 64, generator=gen).to(torch.bfloat16) for h in (9, 3, 3))
+
+    def torch_ops() -> tuple[torch.Tensor, torch.Tensor]:
+        attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return torch.nn.functional.linear(x, w), attention
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        before = torch_ops()
+        for _ in range(2):
+            _check(torch.bfloat16, 3, 3, 64, [1, 40, 300, 613], ())
+            after = torch_ops()
+            assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_kernel_matrix_lists_the_kernel_on_both_layouts() -> None:
     if load_decode_kernel(torch.float32, 2, 16) is None:
         pytest.skip("no C compiler here")
