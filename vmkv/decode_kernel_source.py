@@ -281,14 +281,18 @@ static inline void accumulate_pv(vf acc[GROUP][NC], const tile_t* tl, int n, con
     }
 }
 
-static inline void store_acc(float* dst, const vf* acc) {
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+/* Dimensions 32c.. of the output from acc[2c] and acc[2c + 1], lanes picked by first/second. */
+static inline void store_acc_as(float* dst, const vf* acc, __m512i first, __m512i second) {
     for (int c = 0; c < HEAD_DIM / 32; c++) {
-        const __m512 lo = (__m512)acc[2 * c], hi = (__m512)acc[2 * c + 1];
-        _mm512_storeu_ps(dst + 32 * c, _mm512_permutex2var_ps(lo, first, hi));
-        _mm512_storeu_ps(dst + 32 * c + 16, _mm512_permutex2var_ps(lo, second, hi));
+        const __m512 a = (__m512)acc[2 * c], b = (__m512)acc[2 * c + 1];
+        _mm512_storeu_ps(dst + 32 * c, _mm512_permutex2var_ps(a, first, b));
+        _mm512_storeu_ps(dst + 32 * c + 16, _mm512_permutex2var_ps(a, second, b));
     }
+}
+
+static inline void store_acc(float* dst, const vf* acc) {
+    store_acc_as(dst, acc, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+                 _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31));
 }
 
 /* The state's accumulators are in natural order. */
@@ -428,13 +432,8 @@ static inline void accumulate_pv_amx(vf acc[GROUP][NC], const tile_t* tl, const 
 
 /* acc[2c] holds the even dimensions of chunk c, acc[2c + 1] the odd ones. */
 static inline void store_acc_amx(float* dst, const vf* acc) {
-    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    for (int c = 0; c < HEAD_DIM / 32; c++) {
-        const __m512 even = (__m512)acc[2 * c], odd = (__m512)acc[2 * c + 1];
-        _mm512_storeu_ps(dst + 32 * c, _mm512_permutex2var_ps(even, first, odd));
-        _mm512_storeu_ps(dst + 32 * c + 16, _mm512_permutex2var_ps(even, second, odd));
-    }
+    store_acc_as(dst, acc, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+                 _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
 }
 #endif
 #else
