@@ -190,7 +190,8 @@ def load_decode_kernel(
     """The kernel for this shape, built on first use; None (with a warning saying why) where it
     cannot be: no compiler, a dtype it does not read, or a head_dim that is not a multiple of 16.
 
-    extra_flags reach the compiler (tests pass -mno-avx512f to run the AVX2 code path).
+    extra_flags reach the compiler (tests pass -mno-avx512f to run the AVX2 code path, and
+    -DNO_AMX the vector path on a CPU with AMX tiles).
     """
     locality = prefetch_locality()
     key = (dtype, group, head_dim, extra_flags, locality)
