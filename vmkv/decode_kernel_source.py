@@ -583,8 +583,8 @@ static inline void ahead_start(ahead_t* a, const plan_t* p, int64_t b, int64_t t
     while (a->issued < PREFETCH_ROWS && a->issued < a->count) prefetch_row(a, kc, vc);
 }
 
-/* A range's query rows as the scores read them: vector rows, and Q^T in pairs where the tile
-   unit is on (amx set for this call). */
+/* A range's query rows as the scores read them: Q^T in pairs where the tile unit is on (amx set
+   for this call), else vector rows. */
 typedef struct {
     qrow_t row[GROUP];
 #ifdef USE_AMX
@@ -662,12 +662,13 @@ static void attend_range(const plan_t* p, const kv_t* q, const kv_t* kc, const k
     vc += h * p->head_stride;
     q += h * GROUP * HEAD_DIM;
     query_t qr;
-    for (int g = 0; g < GROUP; g++) load_q(q + g * HEAD_DIM, qr.row[g]);
 #ifdef USE_AMX
     if ((qr.amx = amx)) pack_q(q, qr.pack);
+    else
 #else
     (void)amx;
 #endif
+    for (int g = 0; g < GROUP; g++) load_q(q + g * HEAD_DIM, qr.row[g]);
     vf acc[GROUP][NC], lsum[GROUP];
     float m[GROUP];
     for (int g = 0; g < GROUP; g++) {
