@@ -160,14 +160,29 @@ def test_packed_order_holds_every_layer_in_one_region_of_strided_views() -> None
     cache.close()
 
 
-def test_auto_layout_is_layer_packed_at_every_page_size() -> None:
+def test_auto_order_with_a_page_size_is_layer_packed() -> None:
     shape = KVShape(num_layers=2, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)  # 1,536 B a token
-    small = VAttentionKVCache(shape, 1024, 8 << 20, background_mapping=False)
+    small = VAttentionKVCache(shape, 1024, 8 << 20, page_size=64 << 10, background_mapping=False)
     large = VAttentionKVCache(shape, 8192, 8 << 20, page_size=2 << 20, background_mapping=False)
     assert small.geometry.order == "packed" and small.geometry.tokens_backed(1) == 42
     assert large.geometry.order == "packed" and large.geometry.tokens_backed(1) == 1365
     small.close()
     large.close()
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_default_layout_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
+    """Neither order nor page size given: token-major at 16 KiB pages where the CPU has AMX tiles,
+    layer-packed at 64 KiB elsewhere (docs/vattention.md, "The default layout")."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    shape = KVShape(num_layers=2, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    cache = VAttentionKVCache(shape, 1024, 8 << 20, background_mapping=False)
+    expected = ("token", 16 << 10) if amx else ("packed", 64 << 10)
+    assert (cache.geometry.order, cache.geometry.page_size) == expected
+    cache.close()
+    given = VAttentionKVCache(shape, 1024, 8 << 20, background_mapping=False, order="token")
+    assert given.geometry.page_size == 64 << 10  # an order given alone keeps the CPU's usual page
+    given.close()
 
 
 # --------------------------------------------------------------- exhaustion

@@ -9,9 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-from vmkv.drivers import CudaDriver, HostDriver, HostMemoryError, MemoryDriver, require_available
+from vmkv.drivers import (
+    DEFAULT_PAGE_SIZE,
+    CudaDriver,
+    HostDriver,
+    HostMemoryError,
+    MemoryDriver,
+    require_available,
+)
 from vmkv.kv_cache import KVShape
-from vmkv.vattention.config import AUTO_ORDER, CUDA_PAGE_SIZE, VAttentionConfig
+from vmkv.vattention.config import CUDA_PAGE_SIZE, VAttentionConfig, default_layout
 from vmkv.vattention.geometry import SlotGeometry
 
 logger = logging.getLogger(__name__)
@@ -45,13 +52,7 @@ def size_cache(
     if driver is not None and "page_size" in options and options["page_size"] != driver.page_size:
         raise ValueError(f"page_size {options['page_size']} differs from the driver's {driver.page_size}")
     target = torch.device(device or (driver.device if driver is not None else "cpu"))
-    if driver is not None:
-        page_size = driver.page_size
-    elif target.type == "cuda" and "page_size" not in options and config is None:
-        page_size = CUDA_PAGE_SIZE
-    else:
-        page_size = cfg.page_size
-    order = AUTO_ORDER if cfg.order == "auto" else cfg.order  # measured in docs/vattention.md
+    order, page_size = resolve_layout(cfg, target.type, driver.page_size if driver is not None else None)
     probe = SlotGeometry(shape, max_len, cfg.max_slots or 1, page_size, order)  # validates
     budget_pages = driver.free_page_count if driver is not None else kv_budget_bytes // page_size
     if kv_budget_bytes is not None:
@@ -80,6 +81,17 @@ def size_cache(
         probe, max_slots=cfg.max_slots or min(num_sets, 256), huge_run=driver.huge_run
     )
     return Sizing(cfg, driver, owns_driver, geometry, num_sets)
+
+
+def resolve_layout(cfg: VAttentionConfig, device_type: str, driver_page: int | None) -> tuple[str, int]:
+    """The order and page size a cache is built with: the given driver's page size, else the
+    config's, else the device's; an "auto" order with neither given takes default_layout's."""
+    page_size = driver_page or cfg.page_size
+    if cfg.order == "auto" and page_size is None:
+        return default_layout(device_type)
+    if page_size is None:
+        page_size = CUDA_PAGE_SIZE if device_type == "cuda" else DEFAULT_PAGE_SIZE
+    return ("packed" if cfg.order == "auto" else cfg.order), page_size
 
 
 def _warn_if_unbackable(pool_bytes: int) -> None:

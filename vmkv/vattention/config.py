@@ -4,27 +4,44 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from vmkv.dense.plan import DEFAULT_MAX_PADDING
 from vmkv.drivers import DEFAULT_PAGE_SIZE
 
-# "auto" order: layer-packed at every page size, for capacity, by `vmkv bench --sections
-# capacity` on SmolLM2 (docs/vattention.md): in a 360 MiB budget it holds 149 sequences at 64 KiB
-# pages (token-major 96, head-major 32) and 90 at 2 MiB (3 and 1). The C decode kernel reads it
-# in 1.08-1.11x the fastest order's time (head-major) at 320 tokens and batch 64; at 2k in
-# 1.6-1.9x head-major's on 4 KiB OS pages (token-major's on huge pages), so "head" is the
-# faster choice for long contexts where memory is plentiful. Stock CPU SDPA reads packed 2.1x
-# slower than head-major: choose "head" where the C kernel cannot be built. On an AMX Xeon the
-# per-layer orders gave ~1.2x packed's offline throughput, level with paged (`--kv-order`).
-AUTO_ORDER = "packed"
 CUDA_PAGE_SIZE = 2 * 1024 * 1024  # the cuMemCreate granularity on current GPUs
+AMX_PAGE_SIZE = 16 * 1024  # token-major's page where the CPU has AMX tiles (default_layout)
+
+
+def default_layout(device_type: str) -> tuple[str, int]:
+    """(order, page size) of a cache that sets neither, chosen by measurement
+    (docs/vattention.md, "The default layout"; `vmkv bench --sections capacity`).
+
+    A GPU's driver pages are 2 MiB, which only layer-packed fills with few tokens. On a CPU the
+    page size is ours to choose. Layer-packed at 64 KiB holds the most sequences (SmolLM2, 360
+    MiB: 149, token-major at 16 KiB 128, paged 140), but its layer's rows lie 23,040 B apart,
+    and where AMX tiles make the GEMMs fast that read pattern costs the engine: on a 2-core AMX
+    Xeon, offline 64 x 256/128, token-major at 16 KiB ran at ~0.93x paged's output and
+    layer-packed at ~0.81x. Elsewhere (a Zen 4 EPYC) layer-packed ran level with paged.
+    """
+    if device_type == "cuda":
+        return "packed", CUDA_PAGE_SIZE
+    if torch.cpu._is_amx_tile_supported():
+        return "token", AMX_PAGE_SIZE
+    return "packed", DEFAULT_PAGE_SIZE
+
+
 ATTENTION_PATHS = ("auto", "cpu_kernel", "sdpa")
 
 
 @dataclass(frozen=True)
 class VAttentionConfig:
-    page_size: int = DEFAULT_PAGE_SIZE
+    # None: the device's (CUDA_PAGE_SIZE on a GPU; on a CPU default_layout's, or DEFAULT_PAGE_SIZE
+    # where the order is given)
+    page_size: int | None = None
     # "token" [slot, len, Hkv, D] or "head" [slot, Hkv, len, D] per layer's K/V, "packed"
-    # [slot, len, layers, 2, Hkv, D] for all of them (geometry.py), or "auto" (AUTO_ORDER)
+    # [slot, len, layers, 2, Hkv, D] for all of them (geometry.py), or "auto": default_layout's
+    # where the page size is not given either, else layer-packed (the most sequences at any page)
     order: str = "auto"
     max_slots: int | None = None  # default: min(page sets, 256)
     combined_reservation: bool = False  # one reservation for every K/V tensor
