@@ -2,6 +2,8 @@
 
     python benchmarks/bench_step.py                                   # every section, 2 rounds
     python benchmarks/bench_step.py --sections tpot,prefill --modes vattention --no-compile
+    python benchmarks/bench_step.py --sections throughput --no-compile \
+        --modes vattention+packed@65536,vattention+token@16384,paged   # vattention layouts
     python benchmarks/bench_step.py --peer-python benchmarks/peers/.venv-vllm/bin/python
 
 Sections (SmolLM2-135M-Instruct by default, in vmkv's auto dtype: bf16 on native or AVX2 CPUs):
@@ -9,6 +11,9 @@ Sections (SmolLM2-135M-Instruct by default, in vmkv's auto dtype: bf16 on native
 - prefill: one new 1,000-token prompt (random tokens, so no prefix-cache hit), first token;
 - step64: one decode step of 64 sequences at ~300 tokens of context;
 - throughput: offline 64 x 256 prompt / 128 output tokens (ignore_eos) through LLM.generate.
+
+A mode may name a vattention layout: `vattention+ORDER@PAGE_BYTES` (either part alone too);
+plain `vattention` is the device's default layout.
 
 Every round runs every target in turn (A B A B), the peer included, after one warm-up round
 that is printed but not recorded, and each figure is the median over rounds, so slow drift
@@ -137,7 +142,7 @@ def main() -> None:
 def build_llm(args: argparse.Namespace, model: str, dtype: str, mode: str, compiled: bool) -> LLM:
     return LLM(
         model,
-        kv_mode=mode,
+        **layout_options(mode),
         dtype=dtype,
         kv_budget_bytes=args.kv_budget_mib << 20,
         max_model_len=2048,
@@ -145,6 +150,13 @@ def build_llm(args: argparse.Namespace, model: str, dtype: str, mode: str, compi
         max_num_batched_tokens=1024,
         compile_model=compiled,
     )
+
+
+def layout_options(mode: str) -> dict[str, object]:
+    """The engine options of a mode: "vattention+token@16384" is token-major on 16 KiB pages."""
+    mode, _, page = mode.partition("@")
+    mode, _, order = mode.partition("+")
+    return {"kv_mode": mode, "kv_order": order or "auto", "page_size": int(page) if page else None}
 
 
 def serve_rounds(args: argparse.Namespace, model: str, dtype: str) -> None:
@@ -164,7 +176,7 @@ def serve_rounds(args: argparse.Namespace, model: str, dtype: str) -> None:
 def start_targets(args: argparse.Namespace, model: str, dtype: str) -> dict[str, Target]:
     targets: dict[str, Target] = {}
     for mode in args.modes:
-        for compiled in (False, True) if args.compile else (False,):
+        for compiled in [False] * args.eager + [True] * args.compile:
             target = Target(args, f"{mode}:{'compiled' if compiled else 'eager'}")
             if target.name in targets:  # compiling failed: the eager target is there already
                 target.close()
@@ -358,6 +370,12 @@ def parse_args() -> argparse.Namespace:
         help="also measure each mode compiled (default; compiling takes minutes on 2 cores)",
     )
     parser.add_argument(
+        "--eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure each mode eager (default; --no-eager with --compile: compiled only)",
+    )
+    parser.add_argument(
         "--kv-budget-mib", type=int, default=1536, help="fits step64's 64 x 369 tokens in fp32 too"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -369,6 +387,8 @@ def parse_args() -> argparse.Namespace:
         help="vLLM's dtypes (default: bfloat16, and float32 too where bf16 is not native)",
     )
     args = parser.parse_args()
+    if not (args.eager or args.compile):
+        parser.error("--no-eager needs --compile")
     if args.peer_dtypes is None:
         args.peer_dtypes = ["bfloat16"] if has_native_half_gemm(torch.bfloat16) else ["bfloat16", "float32"]
     return args
