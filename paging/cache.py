@@ -74,6 +74,10 @@ class PagedEvents:
 class PagedKVCache(KVCache[PagedPlan]):
     kv_mode = "paged"
 
+    @property
+    def layout(self) -> str:
+        return f"paged, {self.block_size}-token blocks"
+
     def __init__(
         self,
         shape: KVShape,

@@ -4,6 +4,7 @@ and a request that can never fit the KV cache is a 400 naming the field to chang
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,3 +97,11 @@ def test_the_start_log_says_what_the_kv_cache_holds_and_warns_when_one_long_requ
     assert "KV cache (vattention, each of 2 replicas): 45 tokens" in caplog.text
     assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"]
     assert "fewer than max_model_len (2,048)" in caplog.records[1].getMessage()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="vmkv.server.launcher"):  # the layout the cache chose, where given
+        log_capacity(
+            dataclasses.replace(info(8192), kv_layout="vattention, token-major, 16 KiB pages"),
+            "vattention",
+            1,
+        )
+    assert "KV cache (vattention, token-major, 16 KiB pages): 8,192 tokens" in caplog.text

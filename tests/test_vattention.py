@@ -179,6 +179,9 @@ def test_default_layout_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, amx: bo
     cache = VAttentionKVCache(shape, 1024, 8 << 20, background_mapping=False)
     expected = ("token", 16 << 10) if amx else ("packed", 64 << 10)
     assert (cache.geometry.order, cache.geometry.page_size) == expected
+    assert cache.layout == (
+        "vattention, token-major, 16 KiB pages" if amx else "vattention, layer-packed, 64 KiB pages"
+    )
     cache.close()
     given = VAttentionKVCache(shape, 1024, 8 << 20, background_mapping=False, order="token")
     assert given.geometry.page_size == 64 << 10  # an order given alone keeps the CPU's usual page

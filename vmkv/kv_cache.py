@@ -229,6 +229,11 @@ class KVCache(ABC, Generic[Plan]):
     max_len: int
     device: torch.device
 
+    @property
+    def layout(self) -> str:
+        """The layout as the start-up log names it: kv_mode and what varies within it."""
+        return self.kv_mode
+
     # ------------------------------------------------------------ lifecycle
     @abstractmethod
     def can_admit(self, num_tokens: int) -> bool:

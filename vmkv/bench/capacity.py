@@ -25,11 +25,10 @@ from vmkv.contiguous import ContiguousKVCache
 from vmkv.kv_cache import KVCache, KVShape, OutOfKVMemory
 from vmkv.paging import PagedKVCache
 from vmkv.vattention import VAttentionKVCache
-from vmkv.vattention.geometry import ORDERS
+from vmkv.vattention.geometry import ORDER_NAMES, ORDERS
 
 KIB = 1024
 MIB = 1024 * KIB
-ORDER_NAMES = {"token": "token-major", "head": "head-major", "packed": "layer-packed"}
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64, bf16 -> 23,040 bytes of KV per token.
 SMOLLM2_KV = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)

@@ -27,6 +27,7 @@ class EngineInfo:
     # the KV cache's allocation units (slots, blocks, pages): every sample holds one of its own
     kv_units: int
     kv_unit: str
+    kv_layout: str = ""  # KVCache.layout, for the start-up log
     scheduling_policy: str = "fcfs"
     hidden_size: int = 0  # the width of a prompt given as embeddings
     takes_prompt_embeds: bool = True  # False under tensor parallelism: its workers read token ids

@@ -142,6 +142,7 @@ class LLMEngine:
             eos_token_ids=_eos_token_ids(self.runner.model, self.tokenizer),
             kv_units=self.cache.stats().units_total,
             kv_unit=self.cache.stats().unit,
+            kv_layout=self.cache.layout,
             scheduling_policy=config.scheduling_policy,
             hidden_size=self.runner.hidden_size,
             takes_prompt_embeds=self.tp is None,

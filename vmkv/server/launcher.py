@@ -242,7 +242,7 @@ def log_capacity(info: EngineInfo, kv_mode: str, replicas: int) -> None:
     and a warning where not even one request of max_model_len tokens fits: longer ones get 400."""
     logger.info(
         "KV cache (%s%s): %s tokens, %.1f requests of max_model_len (%s) at once",
-        kv_mode,
+        info.kv_layout or kv_mode,
         f", each of {replicas} replicas" if replicas > 1 else "",
         f"{info.capacity_tokens:,}",
         info.capacity_tokens / info.max_model_len,

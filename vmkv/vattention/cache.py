@@ -45,6 +45,7 @@ from vmkv.vattention import swap
 from vmkv.vattention.ahead import MapAhead
 from vmkv.vattention.budget import size_cache
 from vmkv.vattention.config import VAttentionConfig
+from vmkv.vattention.geometry import ORDER_NAMES
 from vmkv.vattention.kept import Trimmer, memory_pressure, trim
 from vmkv.vattention.mapper import BackgroundMapper, MapJob
 from vmkv.vattention.mapping import SlotMapping
@@ -62,6 +63,13 @@ def _minor_faults() -> int:
 
 class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
     kv_mode = "vattention"
+
+    @property
+    def layout(self) -> str:
+        """Which order and page size: with neither given they follow the device (default_layout)."""
+        size = self.geometry.page_size
+        page = f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size >> 10} KiB"
+        return f"vattention, {ORDER_NAMES[self.geometry.order]}, {page} pages"
 
     def __init__(
         self,

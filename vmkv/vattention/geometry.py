@@ -26,6 +26,7 @@ import torch
 from vmkv.kv_cache import KVShape
 
 ORDERS = ("token", "head", "packed")
+ORDER_NAMES = {"token": "token-major", "head": "head-major", "packed": "layer-packed"}
 
 
 @dataclass(frozen=True)
