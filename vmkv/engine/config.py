@@ -42,10 +42,11 @@ class EngineConfig:
     # then arrival), which also decides who is preempted (vLLM's policies)
     scheduling_policy: str = "fcfs"
     block_size: int = 16  # paged layout only
-    page_size: int | None = None  # vattention layout only, in bytes; None: the layout's default
+    page_size: int | None = None  # vattention layout only, in bytes; None: the device's
     # vattention layout only: where a sequence's K/V rows lie in its virtual range (geometry.py).
-    # "auto" is layer-packed, the most sequences per budget; "token" and "head" (one range per
-    # layer's K and V) hold fewer but were ~1.2x faster offline on an AMX Xeon (docs/vattention.md)
+    # "auto" with no page_size: the device's measured default (vattention.config.default_layout:
+    # token-major at 16 KiB pages on CPUs with AMX tiles, else layer-packed); with a page_size,
+    # layer-packed, the most sequences per budget
     kv_order: str = "auto"
     # vattention layout on the CPU only: back the whole KV budget at start, as the paged pool is,
     # instead of as pages are first mapped (docs/vattention.md, "Backing the pool up front")
