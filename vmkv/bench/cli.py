@@ -42,13 +42,12 @@ from vmkv.bench.workloads import (
     read_trace,
     trace_workload,
 )
-from vmkv.drivers import DEFAULT_PAGE_SIZE
 from vmkv.engine import EngineConfig
 from vmkv.engine.args import AUTO_DTYPE, add_engine_arguments, check_device, engine_config, positive_int
 from vmkv.engine.config import KV_MODES
 from vmkv.kv_cache import KVShape
 from vmkv.model.store import DEFAULT_MODEL, load_tokenizer, resolve_model
-from vmkv.vattention.config import CUDA_PAGE_SIZE
+from vmkv.vattention.config import device_page_size
 
 SECTIONS = ("capacity", "kernels", "offline", "online")
 
@@ -330,7 +329,7 @@ def _decode_speed(shape: KVShape, num_q_heads: int, config: EngineConfig) -> lis
         shape,
         context=2048,
         attentions=("auto",) if cuda else ("cpu_kernel", "sdpa"),
-        page_size=CUDA_PAGE_SIZE if cuda else DEFAULT_PAGE_SIZE,
+        page_size=device_page_size(device.type),
         device=device,
         num_q_heads=num_q_heads,
     )

@@ -9,16 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vmkv.drivers import (
-    DEFAULT_PAGE_SIZE,
-    CudaDriver,
-    HostDriver,
-    HostMemoryError,
-    MemoryDriver,
-    require_available,
-)
+from vmkv.drivers import CudaDriver, HostDriver, HostMemoryError, MemoryDriver, require_available
 from vmkv.kv_cache import KVShape
-from vmkv.vattention.config import CUDA_PAGE_SIZE, VAttentionConfig, default_layout
+from vmkv.vattention.config import VAttentionConfig, default_layout, device_page_size
 from vmkv.vattention.geometry import SlotGeometry
 
 logger = logging.getLogger(__name__)
@@ -89,9 +82,7 @@ def resolve_layout(cfg: VAttentionConfig, device_type: str, driver_page: int | N
     page_size = driver_page or cfg.page_size
     if cfg.order == "auto" and page_size is None:
         return default_layout(device_type)
-    if page_size is None:
-        page_size = CUDA_PAGE_SIZE if device_type == "cuda" else DEFAULT_PAGE_SIZE
-    return ("packed" if cfg.order == "auto" else cfg.order), page_size
+    return ("packed" if cfg.order == "auto" else cfg.order), page_size or device_page_size(device_type)
 
 
 def _warn_if_unbackable(pool_bytes: int) -> None:

@@ -24,11 +24,14 @@ def default_layout(device_type: str) -> tuple[str, int]:
     Xeon, offline 64 x 256/128, token-major at 16 KiB ran at ~0.93x paged's output and
     layer-packed at ~0.81x. Elsewhere (a Zen 4 EPYC) layer-packed ran level with paged.
     """
-    if device_type == "cuda":
-        return "packed", CUDA_PAGE_SIZE
-    if torch.cpu._is_amx_tile_supported():
+    if device_type != "cuda" and torch.cpu._is_amx_tile_supported():
         return "token", AMX_PAGE_SIZE
-    return "packed", DEFAULT_PAGE_SIZE
+    return "packed", device_page_size(device_type)
+
+
+def device_page_size(device_type: str) -> int:
+    """The page size where an order is chosen but no page size: the GPU driver's, else 64 KiB."""
+    return CUDA_PAGE_SIZE if device_type == "cuda" else DEFAULT_PAGE_SIZE
 
 
 ATTENTION_PATHS = ("auto", "cpu_kernel", "sdpa")
