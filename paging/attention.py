@@ -25,7 +25,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vmkv.decode_kernel import SHORT_CHUNK, DecodeKernel, DecodePlan, load_decode_kernel, paged_plan
+from vmkv.decode_kernel import (
+    SHORT_CHUNK,
+    DecodeKernel,
+    DecodePlan,
+    KernelStep,
+    kernel_step,
+    load_decode_kernel,
+    paged_plan,
+)
 from vmkv.flash_support import flash_unusable_reason
 from vmkv.host_metadata import host_query_starts
 from vmkv.kv_cache import StepBatch
@@ -299,6 +307,19 @@ class BatchedAttention:
             out.index_copy_(0, d.rows, self._decode_sdpa(q, k_blocks, v_blocks, d, scale).flatten(1, 2))
         _attend_parts(q, k, v, k_blocks, v_blocks, plan.parts, out, scale, use_kernel=self.use_kernel)
         return out
+
+    def kernel_step(
+        self, plan: PagedPlan, blocks: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> KernelStep | None:
+        """forward's one kernel call per layer, where that is all it makes (kernel_appends: every
+        row a decode row); blocks: each layer's (K, V) blocks."""
+        d, kernels = plan.decode, list(self._kernels.values())
+        if not plan.kernel_appends or d is None or len(kernels) != 1 or kernels[0] is None:
+            return None
+        if d.kernel_plan is None:
+            d.kernel_plan = paged_plan(d.rows, d.lens, d.tables, blocks[0][0])
+        keys, values = [k for k, _ in blocks], [v for _, v in blocks]
+        return kernel_step(kernels[0], d.kernel_plan, keys, values, plan.batch.num_tokens)
 
     def _kernel(self, q: torch.Tensor, k_blocks: torch.Tensor) -> DecodeKernel | None:
         group = q.shape[1] // k_blocks.shape[2]

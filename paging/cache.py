@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 from vmkv.drivers import require_available, zeros_on_huge_pages
 
+from vmkv.decode_kernel import KernelStep
 from vmkv.kv_cache import (
     KVCache,
     KVMemory,
@@ -379,6 +380,11 @@ class PagedKVCache(KVCache[PagedPlan]):
         if not plan.kernel_appends:
             write_tokens(k_blocks, v_blocks, plan.write_rows, k, v)
         return self.attention.forward(q, k, v, k_blocks, v_blocks, plan, scale)
+
+    def kernel_step(self, plan: PagedPlan) -> KernelStep | None:
+        if not isinstance(self.attention, BatchedAttention):
+            return None
+        return self.attention.kernel_step(plan, self._blocks)
 
     def finish_step(self, plan: PagedPlan) -> None:
         """Every layer wrote the step's KV: advance what is computed, cache full blocks."""

@@ -5,9 +5,11 @@ API only (prompts with and without a cache salt). A token's K/V are a fixed func
 prefix (as a model's are, which is what lets the paged prefix cache hand out cached KV), so
 every step checks attention against the reference over what each sequence must hold: no
 sequence ever sees another one's data, a fork or a swap brings back exactly what was there, a
-prefix hit is the right KV. A failed call (OutOfKVMemory, SequenceTooLong) changes nothing,
-can_admit never promises what admit refuses, nothing is freed twice, and once everything is
-freed the cache has exactly its first capacity again. Where a layout shares physical memory
+prefix hit is the right KV. A step's attention is called as a model's layers call it (the
+`vmkv::attention` op, native in a decode-kernel step) or through attend() itself. A failed
+call (OutOfKVMemory, SequenceTooLong) changes nothing, can_admit never promises what admit
+refuses, nothing is freed twice, and once everything is freed the cache has exactly its first
+capacity again. Where a layout shares physical memory
 (vattention), its references are checked after every rule: each page set's count is its mappers
 plus the prefix index, the free list is exactly the sets nobody holds, sequences of different
 salts share nothing, and once everything is freed and the kept pages trimmed every count is
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ from vmkv.drivers import HostMemoryError, host
 from vmkv.paging import PagedKVCache
 
 from vmkv.contiguous import ContiguousKVCache
+from vmkv.engine.attention_hook import attention_op, step_context
 from vmkv.kv_cache import KVCache, KVShape, OutOfKVMemory, SeqStep, SequenceTooLong, StepBatch
 from vmkv.vattention import VAttentionKVCache
 from vmkv.vattention import budget as budget_module
@@ -182,8 +186,21 @@ class ContractLifecycle(RuleBasedStateMachine):
         """Compute every pending token of some sequences in one step; check attention in every layer."""
         self.run_step(data)
 
-    def run_step(self, data: st.DataObject) -> list[SeqStep]:
-        chosen = data.draw(st.sets(st.sampled_from(self.resident()), min_size=1))
+    @precondition(lambda self: self.computed_resident())
+    @rule(data=st.data())
+    def decode_step(self, data: st.DataObject) -> None:
+        """One more token for some fully computed sequences, all in one step: a decode step, which
+        the CPU decode kernel runs alone (through the op natively, once a first one built it)."""
+        chosen = data.draw(st.sets(st.sampled_from(self.computed_resident()), min_size=1))
+        grown = {s for s in chosen if self.unchanged_on_failure(self.cache.grow, s, [1])}
+        for seq_id in grown:
+            self.tokens[seq_id].append(1)
+        if grown:
+            self.run_step(data, grown)
+
+    def run_step(self, data: st.DataObject, chosen: set[int] | None = None) -> list[SeqStep]:
+        if chosen is None:
+            chosen = data.draw(st.sets(st.sampled_from(self.resident()), min_size=1))
         steps = [
             SeqStep(s, self.computed[s], len(self.tokens[s]) - self.computed[s])
             for s in sorted(chosen)
@@ -193,13 +210,20 @@ class ContractLifecycle(RuleBasedStateMachine):
             return []
         batch = StepBatch.build(steps)
         plan = self.cache.prepare(batch)
-        for layer in range(SHAPE.num_layers):
-            new = torch.cat([self.truth(s.seq_id, layer, s.context_len, s.num_cached) for s in steps], dim=1)
-            q = torch.randn(batch.num_tokens, Q_HEADS, SHAPE.head_dim, generator=self.gen)
-            out = self.cache.attend(layer, q, new[0].contiguous(), new[1].contiguous(), plan, SCALE)
-            contexts = [self.truth(s.seq_id, layer, s.context_len) for s in steps]
-            ref = reference_attention(q, [c[0] for c in contexts], [c[1] for c in contexts], steps, SCALE)
-            torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+        # as a model's layers call it (through the op: natively in a kernel step), or attend() itself
+        through_op = data.draw(st.booleans())
+        with step_context(self.cache, plan) if through_op else nullcontext():
+            for layer in range(SHAPE.num_layers):
+                new = torch.cat([self.truth(s.seq_id, layer, s.context_len, s.num_cached) for s in steps], 1)
+                q = torch.randn(batch.num_tokens, Q_HEADS, SHAPE.head_dim, generator=self.gen)
+                k, v = new[0].contiguous(), new[1].contiguous()
+                if through_op:
+                    out = attention_op(q, k, v, layer, SCALE)
+                else:
+                    out = self.cache.attend(layer, q, k, v, plan, SCALE)
+                contexts = [self.truth(s.seq_id, layer, s.context_len) for s in steps]
+                ref = reference_attention(q, [c[0] for c in contexts], [c[1] for c in contexts], steps, SCALE)
+                torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
         self.cache.finish_step(plan)
         for s in steps:
             self.computed[s.seq_id] = s.context_len

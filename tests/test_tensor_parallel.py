@@ -24,7 +24,7 @@ import torch
 from attention_reference import reference_attention
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, precondition, rule
+from hypothesis.stateful import initialize
 from test_engine_process import alive, children, free_port, vmkv_serve, wait_until
 from test_kv_contract import MAX_LEN, Q_HEADS, SCALE, SHAPE, ContractLifecycle, build
 from vmkv.paging import PagedKVCache
@@ -216,12 +216,15 @@ class ReplicatedLifecycle(ContractLifecycle):
         self.salts = {}
         self.history = []
 
-    @precondition(lambda self: self.resident())
-    @rule(data=st.data())
-    def step(self, data: st.DataObject) -> None:
-        super().step(data)
+    def run_step(self, data: st.DataObject, chosen: set[int] | None = None) -> list[SeqStep]:
+        """Every step rank 0 runs (the step and decode_step rules), replayed on the replica."""
+        steps = super().run_step(data, chosen)
         if self.cache.log.step is None:  # nothing was pending: no step ran
-            return
+            return steps
+        self.replicate_step()
+        return steps
+
+    def replicate_step(self) -> None:
         ops, steps, layout = self.cache.log.take()
         self.replica.apply(ops)
         plan = self.replica.plan(StepMessage(ops, steps, layout, [], []))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +173,47 @@ class DecodeKernel:
         )
         if status:
             raise MemoryError("the CPU decode kernel could not allocate its work list")
+
+
+@dataclass
+class KernelStep:
+    """A whole-batch decode step that the kernel runs alone, appending every new token: per
+    layer, one call with that layer's K/V base. The native attention op (engine/native_attention.py)
+    makes those calls without Python."""
+
+    kernel: DecodeKernel
+    plan: DecodePlan
+    k_bases: list[int]  # data_ptr of each layer's K view
+    v_bases: list[int]
+    num_tokens: int
+
+    @property
+    def function_address(self) -> int:
+        return ctypes.cast(self.kernel.function, ctypes.c_void_p).value or 0
+
+    @property
+    def plan_address(self) -> int:
+        """Of the plan's C struct, alive as long as this object."""
+        return ctypes.addressof(self.plan.struct)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.plan.struct.num_kv_heads
+
+
+def kernel_step(
+    kernel: DecodeKernel,
+    plan: DecodePlan,
+    k_layers: Sequence[torch.Tensor],
+    v_layers: Sequence[torch.Tensor],
+    num_tokens: int,
+) -> KernelStep | None:
+    """The step as a KernelStep, or None where a layer's view has other strides than the plan's
+    (that layer's call would raise; the Python path says why)."""
+    if any(t.stride() != plan.strides for t in (*k_layers, *v_layers)):
+        return None
+    k_bases, v_bases = [t.data_ptr() for t in k_layers], [t.data_ptr() for t in v_layers]
+    return KernelStep(kernel, plan, k_bases, v_bases, num_tokens)
 
 
 _loaded: dict[tuple, DecodeKernel | None] = {}

@@ -16,9 +16,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from vmkv.decode_kernel import KernelStep
 
 
 class OutOfKVMemory(MemoryError):
@@ -160,7 +163,7 @@ class KVStats:
     map_seconds_critical: float | None = None
     map_seconds_background: float | None = None
     unmap_calls: int | None = None
-    minor_faults: int | None = None  # the step thread's, around prepare/attend
+    minor_faults: int | None = None  # the step thread's, from prepare to finish_step
     page_sets_total: int | None = None
     page_sets_free: int | None = None
     page_sets_idle_kept: int | None = None  # kept mapped by idle slots (deferred reclamation)
@@ -298,6 +301,12 @@ class KVCache(ABC, Generic[Plan]):
     ) -> torch.Tensor:
         """Write this step's k/v [T, Hkv, D] for `layer`, then return attention of q [T, Hq, D]
         over each sequence's whole context as [T, Hq, D]."""
+
+    def kernel_step(self, plan: Plan) -> KernelStep | None:
+        """The step as one CPU decode-kernel call per layer, where attend() would make only that
+        call (a whole-batch decode step on the kernel path, no checks beyond the arguments'):
+        the native attention op then runs the layers without Python. None: attend() runs them."""
+        return None
 
     @abstractmethod
     def finish_step(self, plan: Plan) -> None:

@@ -24,9 +24,12 @@ query [Hq, D] is viewed as [Hkv, G, D]: G query rows against each KV head.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
+from vmkv.decode_kernel import KernelStep, kernel_step
 from vmkv.dense.plan import DenseSlotPlan, SingleSeq
 from vmkv.kv_cache import KVShape
 from vmkv.prefill_kernel import causal_attention, faster_than_sdpa
@@ -94,6 +97,18 @@ def attend_dense(
             )
             out[s.row_start : s.row_end] = o[0].transpose(0, 1)
     return out
+
+
+def dense_kernel_step(
+    k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor], plan: DenseSlotPlan
+) -> KernelStep | None:
+    """The step as one decode-kernel call per layer where attend_dense would make only that call
+    (every row a decode row on the kernel path); k/v_layers: each layer's [slots, len, Hkv, D]."""
+    kd, batch = plan.kernel_decode, plan.batch
+    if kd is None or plan.use_flash or plan.groups or plan.singles or not batch.is_decode_only:
+        return None
+    kernel = plan.kernels.built() if plan.kernels is not None else None
+    return None if kernel is None else kernel_step(kernel, kd.plan, k_layers, v_layers, batch.num_tokens)
 
 
 def _prefill_kernel(

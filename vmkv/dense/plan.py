@@ -93,6 +93,12 @@ class DecodeKernels:
                 raise RuntimeError("the CPU decode kernel cannot be built here (the log says why)")
         return self._kernels[group]
 
+    def built(self) -> DecodeKernel | None:
+        """The one kernel built so far (a model has one GQA group), or None before the first
+        decode step has built it."""
+        kernels = list(self._kernels.values())
+        return kernels[0] if len(kernels) == 1 else None
+
 
 def decode_kernels(mode: str, device: torch.device, shape: KVShape, use_flash: bool) -> DecodeKernels | None:
     """The CPU decode kernel when `mode` ("auto", "cpu_kernel", "sdpa") asks for it and it can run."""

@@ -8,19 +8,22 @@ the model code passes no engine state down to attention.
 Under torch.compile the call goes through the custom op `vmkv::attention` instead: the
 compiler sees one opaque node with a known output shape (its fake implementation), so the
 graph does not break at every layer, and inside the op the cache's `attend` runs exactly as
-in eager mode, whatever the layout and whatever kernel the layout uses.
+in eager mode, whatever the layout and whatever kernel the layout uses. On the CPU the op is
+C++ (native_attention.py): in a step the decode kernel runs alone (`KVCache.kernel_step`) it
+calls the kernel itself, eager or compiled; otherwise it calls `attend` here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from vmkv.engine import native_attention
 from vmkv.kv_cache import KVCache
 
 ATTENTION_NAME = "vmkv"
@@ -30,6 +33,7 @@ ATTENTION_NAME = "vmkv"
 class _StepContext:
     cache: KVCache | None = None
     plan: object = None
+    native: bool = False  # the native op runs this step's layers (a kernel step)
 
 
 _step = _StepContext()
@@ -38,11 +42,14 @@ _step = _StepContext()
 @contextmanager
 def step_context(cache: KVCache, plan: object) -> Iterator[None]:
     """Make `cache` and its plan the target of every attention call inside the block."""
-    _step.cache, _step.plan = cache, plan
+    kernel_step = cache.kernel_step(plan) if isinstance(cache, KVCache) else None
+    native = kernel_step is not None and native_attention.load()
+    _step.cache, _step.plan, _step.native = cache, plan, native
     try:
-        yield
+        with native_attention.kernel_step_scope(kernel_step) if native else nullcontext():
+            yield
     finally:
-        _step.cache, _step.plan = None, None
+        _step.cache, _step.plan, _step.native = None, None, False
 
 
 def attend_in_step(
@@ -71,11 +78,14 @@ def _attention_fake(
 # `vmkv::attention`: `attend_in_step` as one opaque graph node. It writes k/v into the cache's
 # own storage, which no graph tensor aliases, so a schema with no mutated arguments is accurate.
 # Defined with a plain Library rather than torch.library.custom_op: the latter's Python wrapper
-# costs ~10 µs more per call, 30 times per decode step of the default model.
+# costs ~10 µs more per call, 30 times per decode step of the default model. The native op
+# registers its CPU kernel over this one and reaches `attend_in_step` as `vmkv::cache_attention`.
+_SCHEMA = "(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor"
 _LIBRARY = torch.library.Library("vmkv", "FRAGMENT")
-_LIBRARY.define("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
-_LIBRARY.impl("attention", _attention_kernel, "CompositeExplicitAutograd")
-torch.library.register_fake("vmkv::attention", _attention_fake, lib=_LIBRARY)
+for _name in ("attention", "cache_attention"):
+    _LIBRARY.define(_name + _SCHEMA)
+    _LIBRARY.impl(_name, _attention_kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"vmkv::{_name}", _attention_fake, lib=_LIBRARY)
 attention_op = torch.ops.vmkv.attention.default
 
 
@@ -95,7 +105,7 @@ def vmkv_attention(
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _step.native:
         out = attention_op(q, k, v, module.layer_idx, scale)
     else:  # eager: skip the custom op's dispatch, about 10 µs per layer
         out = attend_in_step(module.layer_idx, q, k, v, scale)

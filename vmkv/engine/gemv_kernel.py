@@ -34,16 +34,13 @@ same operator in Python over the GEMM alone, so callers never see the difference
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import subprocess
-import sysconfig
-from functools import cache, partial
+from functools import cache
 from pathlib import Path
 
 import torch
 
-from vmkv.native_build import build_failure, build_library
+from vmkv.native_build import build_failure, build_torch_library
 
 log = logging.getLogger(__name__)
 
@@ -535,34 +532,10 @@ def _load_native(isa: str) -> bool:
     return True
 
 
-def _compile_command(isa: str, source: Path, target: Path) -> list[str]:
-    from torch.utils import cpp_extension  # ~120 ms to import; only a build needs it
-
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
-    if compiler is None:
-        raise FileNotFoundError("no C++ compiler found (install one or set CXX)")
-    torch_lib = Path(torch.__file__).parent / "lib"
-    return [
-        compiler,
-        *_build_flags(isa),
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *(f"-I{p}" for p in cpp_extension.include_paths()),
-        f"-I{sysconfig.get_paths()['include']}",
-        "-o",
-        str(target),
-        str(source),
-        f"-L{torch_lib}",
-        f"-Wl,-rpath,{torch_lib}",
-        "-lc10",
-        "-ltorch_cpu",
-    ]
-
-
 def _build_flags(isa: str) -> tuple[str, ...]:
     return (*_FLAGS, *_ISA_FLAGS[isa], f"-DGEMV_MAX_ROWS={_row_limit(isa)}")
 
 
 def _build(isa: str) -> Path:
     """Compile the source, or reuse an earlier build of the same source, flags and torch."""
-    depends_on = [" ".join(_build_flags(isa)), torch.__version__]
-    return build_library("packed_linear", SOURCE, ".cpp", depends_on, partial(_compile_command, isa))
+    return build_torch_library("packed_linear", SOURCE, _build_flags(isa))

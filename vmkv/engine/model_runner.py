@@ -17,6 +17,7 @@ from itertools import chain
 import torch
 
 from vmkv import faults
+from vmkv.engine import native_attention
 from vmkv.engine.attention_hook import ATTENTION_NAME, step_context
 from vmkv.engine.compiled import compile_decoder, compiled_stance
 from vmkv.engine.config import EngineConfig
@@ -56,6 +57,8 @@ class ModelRunner:
         self._positions = torch.arange(config.max_num_batched_tokens, device=self.device)
         # hooked before compiling, so the compiled graphs carry the LoRA op
         self.loras = self._lora_adapters(config) if config.enable_lora else None
+        if self.device.type == "cpu":
+            native_attention.load()  # built here (first use) rather than in the first decode step
         compiled = compile_decoder(self.decoder, self.device) if config.compile_model else None
         self.compiled = compiled is not None
         self._forward = self.decoder if compiled is None else compiled

@@ -36,7 +36,8 @@ from collections.abc import Sequence
 
 import torch
 
-from vmkv.dense.attention import attend_dense, check_attend_args
+from vmkv.decode_kernel import KernelStep
+from vmkv.dense.attention import attend_dense, check_attend_args, dense_kernel_step
 from vmkv.dense.plan import DenseSlotPlan, decode_kernels, flash_usable, plan_step
 from vmkv.dense.sequences import DenseSlotSequences
 from vmkv.drivers import MemoryDriver
@@ -119,6 +120,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         self._bursts: deque[int] = deque(maxlen=16)
         self._admitted = 0  # since the last prepare()
         self._upcoming: list[int] = []  # lengths of the prompts the next step likely admits (expect)
+        self._step_faults = 0  # the step thread's minor faults when the step began (prepare)
         self._last_admit = time.monotonic()
         self.peaks = HeldPeaks()
         if self._premap:
@@ -316,7 +318,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         )
         if self._mapper is not None and jobs:
             self._mapper.submit(jobs)
-        self.mapping.events.minor_faults += _minor_faults() - faults
+        self._step_faults = faults  # counted up to finish_step: prepare and the forward
         return plan
 
     def expect(self, prompts: Sequence[UpcomingPrompt]) -> None:
@@ -351,15 +353,16 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DenseSlotPlan, scale: float
     ) -> torch.Tensor:
         check_attend_args(self.shape, layer, q, k, v, plan)
-        faults = _minor_faults()
-        out = attend_dense(self.mapping.k[layer], self.mapping.v[layer], q, k, v, plan, scale)
-        self.mapping.events.minor_faults += _minor_faults() - faults
-        return out
+        return attend_dense(self.mapping.k[layer], self.mapping.v[layer], q, k, v, plan, scale)
+
+    def kernel_step(self, plan: DenseSlotPlan) -> KernelStep | None:
+        return dense_kernel_step(self.mapping.k, self.mapping.v, plan)
 
     def finish_step(self, plan: DenseSlotPlan) -> None:
         """Every layer wrote the step's tokens: from now on a fork may share their full pages,
         and the prefix cache indexes the chunks they complete. No plan reads the slots now, so
         their pages mapped ahead are reclaimable again until the next prepare() pins them."""
+        self.mapping.events.minor_faults += _minor_faults() - self._step_faults
         with self._lock:
             self.table.pin([])
             for s in plan.batch.steps:
