@@ -12,6 +12,7 @@ import pytest
 import torch
 from vmkv.paging import PagedKVCache
 
+from vmkv.decode_kernel import load_decode_kernel
 from vmkv.engine import LLM, SamplingParams, attention_hook, native_attention
 from vmkv.engine.attention_hook import attention_op, step_context
 from vmkv.kv_cache import KVCache, KVShape, SeqStep, StepBatch
@@ -27,6 +28,8 @@ Q_HEADS, SCALE = 4, 0.25
 def native() -> None:
     if not native_attention.load():
         pytest.skip("the native op cannot be built here (no C++ compiler)")
+    if load_decode_kernel(SHAPE.dtype, Q_HEADS // SHAPE.num_kv_heads, SHAPE.head_dim) is None:
+        pytest.skip("the CPU decode kernel cannot be built here (no C compiler)")
 
 
 def counting_native_steps(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
