@@ -42,7 +42,7 @@ _step = _StepContext()
 @contextmanager
 def step_context(cache: KVCache, plan: object) -> Iterator[None]:
     """Make `cache` and its plan the target of every attention call inside the block."""
-    kernel_step = cache.kernel_step(plan) if isinstance(cache, KVCache) else None
+    kernel_step = cache.kernel_step(plan)
     native = kernel_step is not None and native_attention.load()
     _step.cache, _step.plan, _step.native = cache, plan, native
     try:

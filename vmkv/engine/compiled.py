@@ -75,6 +75,10 @@ class _WarmupAttention:
         )
         return out.transpose(0, 1).contiguous()
 
+    def kernel_step(self, plan: object) -> None:
+        """No decode kernel: every layer goes through attend()."""
+        return None
+
 
 def _entry_point(decoder: torch.nn.Module) -> Callable[..., object]:
     """`decoder` called through a function whose code object is new, so dynamo's cache of
