@@ -177,7 +177,7 @@ def test_native_linears_compute_what_a_bf16_gemm_computes() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False)).to(
         torch.bfloat16
     )
-    x = torch.randn(2, 7, 64, generator=gen).to(torch.bfloat16)  # 14 rows: more than any GEMV takes
+    x = torch.randn(2, 20, 64, generator=gen).to(torch.bfloat16)  # 40 rows: more than the GEMV or tiles take
     with torch.inference_mode():
         expected = model(x)
         first = model[0](x[0, :1])
@@ -206,8 +206,8 @@ def test_the_gemv_kernel_rounds_fp32_sums_once(rows: int, k_len: int) -> None:
     got = torch.ops.vmkv.packed_linear(x, weight, packed, bias)
     # within one bf16 rounding of the exact sum (plus fp32 summation error)
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
-    # more rows than the kernel takes: oneDNN's GEMM on the packed weight, torch's values exactly
-    many = torch.randn(2, 7, k_len, generator=gen).to(torch.bfloat16)  # 14 rows
+    # more rows than the kernels take: oneDNN's GEMM on the packed weight, torch's values exactly
+    many = torch.randn(2, 20, k_len, generator=gen).to(torch.bfloat16)  # 40 rows
     assert torch.equal(
         torch.ops.vmkv.packed_linear(many, weight, packed, bias),
         torch.nn.functional.linear(many, weight, bias),
@@ -304,3 +304,24 @@ def test_dynamo_traces_a_group_as_one_call(tiny_model_dir: Path) -> None:
     calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.vmkv.packed_linear.default]
     assert len(graphs) == 1 and len(calls) == 1
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("k_len", [576, 96])
+@pytest.mark.parametrize("rows", [7, 12, 16, 17, 24, 31, 32])  # 4 x 1 shapes up to 16, 2 x 2 above
+@pytest.mark.parametrize("n_len", [1000, 64, 16])  # partial groups and a partial block; whole groups
+def test_the_tile_gemm_rounds_fp32_sums_once(rows: int, k_len: int, n_len: int) -> None:
+    """AMX builds: rows past the GEMV's and up to tile_max_rows() run y^T = W x^T on the tile
+    unit, within one bf16 rounding of the exact sum, with or without a bias, x at any row stride."""
+    if gemv_kernel.tile_max_rows() < rows:
+        pytest.skip("no tile GEMM here: it needs AVX512-BF16 with AMX tiles and a C++ compiler")
+    gen = torch.Generator().manual_seed(rows * n_len + k_len)
+    weight = torch.randn(n_len, k_len, generator=gen).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    x = torch.randn(rows, 2 * k_len, generator=gen).to(torch.bfloat16)[:, :k_len]  # rows 2 k_len apart
+    for bias in (torch.randn(n_len, generator=gen).to(torch.bfloat16), None):
+        exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+        got = torch.ops.vmkv.packed_linear(x, weight, packed, bias)
+        assert got.shape == (rows, n_len) and got.dtype == torch.bfloat16
+        assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+        logits = torch.ops.vmkv.packed_logits(x, weight, packed, bias)
+        assert logits.dtype == torch.float32 and torch.equal(logits, got.float())

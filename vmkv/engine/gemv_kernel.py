@@ -6,7 +6,10 @@ At one to a few rows a linear layer is a pass over its weight, so its speed is t
 bandwidth it reaches. The kernel streams the original row-major bf16 weight once, one row at
 a time, into fp32 sums, adds the bias in fp32 and rounds once to bf16, so it computes what a
 bf16 GEMM computes, summed in another order. Output columns are split over torch's threads.
-More rows go to a GEMM on `packed`, the weight prepared at load (cpu_linear.py). Where `packed`
+More rows go to a GEMM on `packed`, the weight prepared at load (cpu_linear.py); on a CPU with
+AMX tiles, up to TILE_MAX_ROWS rows first go to a tile GEMM that reads the original weight in
+place (y^T = W x^T, x laid out in pairs per call), which streams the weights nearer the memory's
+rate than oneDNN does at decode batch sizes (gemm_tiles in the source). Where `packed`
 is the weight in pairs (4-D, `in_pairs`), every row count runs this file's GEMM on it instead:
 the "pairs" packing of AVX512-BF16 CPUs without AMX (gemm_pairs in the source). Two builds:
 
@@ -53,6 +56,13 @@ log = logging.getLogger(__name__)
 #   against 17.4), at 14 slower (18.7-19.1 against 18.0-18.4).
 # - AVX2 keeps its earlier limit of 4, not measured again since.
 MAX_ROWS = {"avx512_bf16_amx": 6, "avx512_bf16": 12, "avx2": 4}
+# Rows up to which the tile GEMM (AMX builds) runs after the GEMV, before oneDNN. The default
+# model's 30 layers and vocabulary projection from memory (benchmarks/bench_gemm.py, a 2-core AMX
+# Xeon, two alternated runs): 8 rows 14.8 / 14.7 ms against oneDNN's 18.3 / 23.6, 16 rows 14.9 /
+# 14.3 against 19.2 / 21.4, 24 rows 18.2 / 17.5 against 22.1 / 24.9, 32 rows 18.2 / 18.1 against
+# 22.4 / 26.3; at 48 and 64 rows level or slower (28.4 / 25.7 against 24.1 / 29.8, 31.0 / 28.6
+# against 28.3 / 31.9).
+TILE_MAX_ROWS = 32
 
 
 def _row_limit(isa: str) -> int:
@@ -77,6 +87,7 @@ SOURCE = r"""
 #include <string.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -240,6 +251,237 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
         }
     });
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The tile GEMM, for the rows between the GEMV's and oneDNN's (AMX builds): decode batches of a
+   few dozen rows. It computes y^T = W x^T on the tile unit, so the weight is the row-major A
+   operand read in place (no packed copy) and only x, a few KB, is laid out in pairs per call.
+   Each 16-row block of W streams once per 64 rows of x, into up to four 16 x 16 result tiles. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_TILE_GEMM 1
+
+constexpr int64_t TILE_MAX_ROWS = GEMM_TILE_MAX_ROWS; /* defined at build: above it, oneDNN */
+
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* The OS hands out AMX state only on request (Linux: arch_prctl, once per process). */
+bool amx_usable() {
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+    return granted;
+}
+
+/* r[i][j] <- r[j][i], 16 x 16 32-bit lanes. */
+inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* x [rows, k] -> xt [k / 2][m_pad] words: xt[p][m] = (x[m][2p], x[m][2p + 1]), zero past rows;
+   16 x 16 blocks of words transposed in registers (k / 2 is a multiple of 16). */
+void pairs_of_x(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t m_pad, int64_t k_len,
+                uint32_t *xt) {
+    for (int64_t m0 = 0; m0 < m_pad; m0 += 16)
+        for (int64_t p0 = 0; p0 < k_len / 2; p0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = m0 + i < rows ? _mm512_loadu_si512(x + (m0 + i) * x_stride + 2 * p0)
+                                     : _mm512_setzero_si512();
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(xt + (p0 + j) * m_pad + m0, r[j]);
+        }
+}
+
+/* Every tile 16 rows x 64 bytes: 0-3 results [16 rows of W][16 rows of x] in fp32, the rest
+   operands (16 rows of W x 32 k, or 16 k pairs of x^T x 16 rows of x). */
+void tile_config(TileConfig *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg->rows[t] = 16;
+        cfg->colsb[t] = 64;
+    }
+}
+
+/* Result tile t of a shape below holds W block t / MB against x block t % MB. One result tile
+   is a chain of dependent tile products (one per 32 k), so a shape keeps four in flight, and
+   reuses each loaded operand for two to four of them:
+   - 4 x 1 (x <= 16 rows): four blocks of W against x's one block;
+   - 2 x 2 (more rows): two blocks of W against two of x, for each pair of x's blocks in turn
+     (the two blocks of W, 36 KB at k = 576, are read from memory once and then from cache);
+   - 1 x MB (W's last blocks): one block of W against up to four of x. */
+void tiles_4x1(const uint16_t *w, int64_t k_len, const uint32_t *xt, int64_t m_pad) {
+    const int64_t step = k_len * 2; /* bytes between rows of W */
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t k = 0; k < k_len; k += 32) {
+        _tile_loadd(6, xt + (k / 2) * m_pad, m_pad * 4);
+        _tile_loadd(4, w + k, step);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, w + 16 * k_len + k, step);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_loadd(4, w + 32 * k_len + k, step);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(5, w + 48 * k_len + k, step);
+        _tile_dpbf16ps(3, 5, 6);
+    }
+}
+
+void tiles_2x2(const uint16_t *w, int64_t k_len, const uint32_t *xt, int64_t m_pad) {
+    const int64_t step = k_len * 2;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t k = 0; k < k_len; k += 32) {
+        const uint32_t *b = xt + (k / 2) * m_pad;
+        _tile_loadd(6, b, m_pad * 4);
+        _tile_loadd(7, b + 16, m_pad * 4);
+        _tile_loadd(4, w + k, step);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, w + 16 * k_len + k, step);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+template <int MB>
+void tiles_1xm(const uint16_t *w, int64_t k_len, const uint32_t *xt, int64_t m_pad) {
+    _tile_zero(0);
+    if (MB > 1) _tile_zero(1);
+    if (MB > 2) _tile_zero(2);
+    if (MB > 3) _tile_zero(3);
+    for (int64_t k = 0; k < k_len; k += 32) {
+        const uint32_t *b = xt + (k / 2) * m_pad;
+        _tile_loadd(4, w + k, k_len * 2);
+        _tile_loadd(5, b, m_pad * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        if (MB > 1) {
+            _tile_loadd(6, b + 16, m_pad * 4);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (MB > 2) {
+            _tile_loadd(7, b + 32, m_pad * 4);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (MB > 3) {
+            _tile_loadd(5, b + 48, m_pad * 4);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+}
+
+void tiles_1xm(int blocks, const uint16_t *w, int64_t k_len, const uint32_t *xt, int64_t m_pad) {
+    switch (blocks) {
+        case 1: return tiles_1xm<1>(w, k_len, xt, m_pad);
+        case 2: return tiles_1xm<2>(w, k_len, xt, m_pad);
+        case 3: return tiles_1xm<3>(w, k_len, xt, m_pad);
+        default: return tiles_1xm<4>(w, k_len, xt, m_pad);
+    }
+}
+
+void store_results(int count, float (*out)[16][16]) {
+    _tile_stored(0, out[0], 64);
+    if (count > 1) _tile_stored(1, out[1], 64);
+    if (count > 2) _tile_stored(2, out[2], 64);
+    if (count > 3) _tile_stored(3, out[3], 64);
+}
+
+/* A result tile [16 rows of W from n0][16 rows of x from m0] (+ bias) into y's rows. */
+void write_result(const float (*tile)[16], const uint16_t *bias, void *y, bool fp32_out, int64_t n0,
+                  int64_t width, int64_t m0, int64_t rows, int64_t n_len) {
+    const __mmask16 mask = (__mmask16)((1u << width) - 1);
+    const __m512 b = bias ? widen_bf16(_mm256_maskz_loadu_epi16(mask, bias + n0)) : _mm512_setzero_ps();
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(tile[i]);
+    transpose16(r);
+    for (int64_t i = 0; i < 16 && m0 + i < rows; i++) {
+        const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[i]), b);
+        const int64_t at = (m0 + i) * n_len + n0;
+        if (fp32_out)
+            _mm512_mask_storeu_ps(static_cast<float *>(y) + at, mask, v);
+        else
+            _mm256_mask_storeu_epi16(static_cast<uint16_t *>(y) + at, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k], rows <= TILE_MAX_ROWS; w row-major [n_len, k_len],
+   k_len a multiple of 32. fp32 sums, rounded once to bf16 (y bf16) or kept (fp32_out). */
+void gemm_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *y, bool fp32_out,
+                int64_t rows, int64_t n_len, int64_t k_len, int64_t x_stride) {
+    const int64_t group = rows <= 16 ? 4 : 2; /* blocks of W per shape */
+    const int64_t shape_rows = 16 * (4 / group); /* rows of x a shape takes: m_pad holds whole shapes */
+    const int64_t m_pad = (rows + shape_rows - 1) / shape_rows * shape_rows;
+    std::vector<uint32_t> xt(k_len / 2 * m_pad);
+    pairs_of_x(x, x_stride, rows, m_pad, k_len, xt.data());
+    const int64_t blocks = (n_len + 15) / 16;
+    at::parallel_for(0, (blocks + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
+        TileConfig cfg, saved; /* the thread's tile configuration (oneDNN's), restored after */
+        _tile_storeconfig(&saved);
+        tile_config(&cfg);
+        _tile_loadconfig(&cfg);
+        alignas(64) float out[4][16][16];
+        std::vector<uint16_t> tail;
+        for (int64_t g = begin; g < end; g++) {
+            const int64_t n0 = g * group * 16;
+            if (n0 + group * 16 <= n_len) {
+                for (int64_t m0 = 0; m0 < rows; m0 += 64 / group) {
+                    if (group == 4)
+                        tiles_4x1(w + n0 * k_len, k_len, xt.data(), m_pad);
+                    else
+                        tiles_2x2(w + n0 * k_len, k_len, xt.data() + m0, m_pad);
+                    store_results(4, out);
+                    for (int t = 0; t < 4; t++) {
+                        const int64_t nb = t / (4 / group), mb = t % (4 / group);
+                        write_result(out[t], bias, y, fp32_out, n0 + 16 * nb, 16, m0 + 16 * mb, rows, n_len);
+                    }
+                }
+                continue;
+            }
+            for (int64_t n = n0; n < n_len && n < n0 + group * 16; n += 16) { /* one block at a time */
+                const int64_t width = n_len - n < 16 ? n_len - n : 16;
+                const uint16_t *wb = w + n * k_len;
+                if (width < 16) { /* W's last rows, padded to a tile with zeros */
+                    tail.assign(16 * k_len, 0);
+                    memcpy(tail.data(), wb, width * k_len * 2);
+                    wb = tail.data();
+                }
+                for (int64_t m0 = 0; m0 < rows; m0 += 64) {
+                    const int count = (int)std::min<int64_t>((rows - m0 + 15) / 16, 4);
+                    tiles_1xm(count, wb, k_len, xt.data() + m0, m_pad);
+                    store_results(count, out);
+                    for (int t = 0; t < count; t++)
+                        write_result(out[t], bias, y, fp32_out, n, width, m0 + 16 * t, rows, n_len);
+                }
+            }
+        }
+        if (saved.palette)
+            _tile_loadconfig(&saved);
+        else
+            _tile_release();
+    });
+}
+#endif
 #else
 /* AVX2 + FMA: each 32-bit lane of 16 loaded bf16 weights holds an even and an odd element,
    and (lane << 16), (lane & 0xffff0000) are the two as fp32, so a weight is widened in
@@ -348,11 +590,27 @@ void round_to_bf16_(at::Tensor &t) {
     });
 }
 
-bool gemv_takes(const at::Tensor &x, const at::Tensor &weight, const OptionalTensor &bias) {
+/* Whether a kernel on the original weight takes x: bf16 throughout, at most max_rows rows. */
+bool in_place_takes(const at::Tensor &x, const at::Tensor &weight, const OptionalTensor &bias,
+                    int64_t max_rows, int64_t k_multiple) {
     const int64_t k_len = x.size(-1);
-    return x.numel() <= MAX_ROWS * k_len && k_len % K_MULTIPLE == 0 && x.scalar_type() == at::kBFloat16 &&
+    return x.numel() <= max_rows * k_len && k_len % k_multiple == 0 && x.scalar_type() == at::kBFloat16 &&
            weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
            (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()));
+}
+
+bool gemv_takes(const at::Tensor &x, const at::Tensor &weight, const OptionalTensor &bias) {
+    return in_place_takes(x, weight, bias, MAX_ROWS, K_MULTIPLE);
+}
+
+bool tiles_take(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
+                const OptionalTensor &bias) {
+#ifdef HAVE_TILE_GEMM
+    return packed.scalar_type() != at::kFloat && in_place_takes(x, weight, bias, TILE_MAX_ROWS, 32) &&
+           amx_usable();
+#else
+    return false;
+#endif
 }
 
 /* x [..., K] @ w.T (+ bias) with w in pairs [ceil(N / PANEL), K / 2, PANEL, 2] (cpu_linear.py packs
@@ -390,7 +648,8 @@ at::Tensor pairs_linear(const at::Tensor &x, const at::Tensor &packed, const Opt
 at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
                          const OptionalTensor &bias) {
     if (packed.dim() == 4) return pairs_linear(x, packed, bias, weight.size(0), false);
-    if (!gemv_takes(x, weight, bias)) {
+    const bool gemv = gemv_takes(x, weight, bias);
+    if (!gemv && !tiles_take(x, weight, packed, bias)) {
         if (packed.scalar_type() == at::kFloat) return fp32_linear(x, packed, bias);
         return onednn_linear(x, packed, bias);
     }
@@ -401,11 +660,17 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &weight, const at
     sizes.back() = n_len;
     at::Tensor out = at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous));
     if (rows.size(0) == 0) return out;
-    gemv_bf16(static_cast<const uint16_t *>(rows.const_data_ptr()),
-              static_cast<const uint16_t *>(weight.const_data_ptr()),
-              bias ? static_cast<const uint16_t *>(bias->const_data_ptr()) : nullptr,
-              static_cast<uint16_t *>(out.mutable_data_ptr()), rows.size(0), n_len, k_len,
-              rows.size(0) > 1 ? rows.stride(0) : k_len);
+    const auto *xp = static_cast<const uint16_t *>(rows.const_data_ptr());
+    const auto *wp = static_cast<const uint16_t *>(weight.const_data_ptr());
+    const auto *bp = bias ? static_cast<const uint16_t *>(bias->const_data_ptr()) : nullptr;
+    const int64_t x_stride = rows.size(0) > 1 ? rows.stride(0) : k_len;
+    if (gemv)
+        gemv_bf16(xp, wp, bp, static_cast<uint16_t *>(out.mutable_data_ptr()), rows.size(0), n_len, k_len,
+                  x_stride);
+#ifdef HAVE_TILE_GEMM
+    else
+        gemm_tiles(xp, wp, bp, out.mutable_data_ptr(), false, rows.size(0), n_len, k_len, x_stride);
+#endif
     return out;
 }
 
@@ -477,6 +742,14 @@ def in_pairs(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PAIRS_PANEL, k // 2, 2).transpose(1, 2).contiguous()
 
 
+def tile_max_rows() -> int:
+    """Rows of x up to which packed_linear runs the tile GEMM after the GEMV: TILE_MAX_ROWS where
+    the build has it (AVX512-BF16 with AMX tiles; it falls back to oneDNN where the OS refuses
+    the tiles), else 0."""
+    isa = gemv_isa()
+    return TILE_MAX_ROWS if isa is not None and _has_tiles(isa) and register() else 0
+
+
 def max_rows() -> int:
     """Rows of x up to which packed_linear runs the GEMV on this CPU, where the kernel builds
     (register() says whether it did); 0 where no build fits the CPU."""
@@ -533,7 +806,13 @@ def _load_native(isa: str) -> bool:
 
 
 def _build_flags(isa: str) -> tuple[str, ...]:
-    return (*_FLAGS, *_ISA_FLAGS[isa], f"-DGEMV_MAX_ROWS={_row_limit(isa)}")
+    tiles = ("-mamx-tile", "-mamx-bf16", f"-DGEMM_TILE_MAX_ROWS={TILE_MAX_ROWS}") if _has_tiles(isa) else ()
+    return (*_FLAGS, *_ISA_FLAGS[isa], *tiles, f"-DGEMV_MAX_ROWS={_row_limit(isa)}")
+
+
+def _has_tiles(isa: str) -> bool:
+    """Whether the build has the tile GEMM: AVX512-BF16 on a CPU with AMX tiles."""
+    return isa == "avx512_bf16" and torch.cpu._is_amx_tile_supported()
 
 
 def _build(isa: str) -> Path:
