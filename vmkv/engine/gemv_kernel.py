@@ -432,8 +432,10 @@ void gemm_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void
     const int64_t group = rows <= 16 ? 4 : 2; /* blocks of W per shape */
     const int64_t shape_rows = 16 * (4 / group); /* rows of x a shape takes: m_pad holds whole shapes */
     const int64_t m_pad = (rows + shape_rows - 1) / shape_rows * shape_rows;
-    std::vector<uint32_t> xt(k_len / 2 * m_pad);
-    pairs_of_x(x, x_stride, rows, m_pad, k_len, xt.data());
+    /* 64-byte aligned (a vector of 512-bit words), so no tile row straddles two cache lines */
+    std::vector<__m512i> pairs(k_len / 2 * m_pad / 16);
+    uint32_t *xt = reinterpret_cast<uint32_t *>(pairs.data());
+    pairs_of_x(x, x_stride, rows, m_pad, k_len, xt);
     const int64_t blocks = (n_len + 15) / 16;
     at::parallel_for(0, (blocks + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
         TileConfig cfg, saved; /* the thread's tile configuration (oneDNN's), restored after */
@@ -447,9 +449,9 @@ void gemm_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void
             if (n0 + group * 16 <= n_len) {
                 for (int64_t m0 = 0; m0 < rows; m0 += 64 / group) {
                     if (group == 4)
-                        tiles_4x1(w + n0 * k_len, k_len, xt.data(), m_pad);
+                        tiles_4x1(w + n0 * k_len, k_len, xt, m_pad);
                     else
-                        tiles_2x2(w + n0 * k_len, k_len, xt.data() + m0, m_pad);
+                        tiles_2x2(w + n0 * k_len, k_len, xt + m0, m_pad);
                     store_results(4, out);
                     for (int t = 0; t < 4; t++) {
                         const int64_t nb = t / (4 / group), mb = t % (4 / group);
@@ -468,7 +470,7 @@ void gemm_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void
                 }
                 for (int64_t m0 = 0; m0 < rows; m0 += 64) {
                     const int count = (int)std::min<int64_t>((rows - m0 + 15) / 16, 4);
-                    tiles_1xm(count, wb, k_len, xt.data() + m0, m_pad);
+                    tiles_1xm(count, wb, k_len, xt + m0, m_pad);
                     store_results(count, out);
                     for (int t = 0; t < count; t++)
                         write_result(out[t], bias, y, fp32_out, n, width, m0 + 16 * t, rows, n_len);
