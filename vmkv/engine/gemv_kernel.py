@@ -407,9 +407,9 @@ void store_results(int count, float (*out)[16][16]) {
     if (count > 3) _tile_stored(3, out[3], 64);
 }
 
-/* A result tile [16 rows of W from n0][16 rows of x from m0] (+ bias) into y's rows. */
-void write_result(const float (*tile)[16], const uint16_t *bias, void *y, bool fp32_out, int64_t n0,
-                  int64_t width, int64_t m0, int64_t rows, int64_t n_len) {
+/* A result tile [16 rows of W from n0][16 rows of x from m0] (+ bias), rounded to bf16, into y's rows. */
+void write_result(const float (*tile)[16], const uint16_t *bias, uint16_t *y, int64_t n0, int64_t width,
+                  int64_t m0, int64_t rows, int64_t n_len) {
     const __mmask16 mask = (__mmask16)((1u << width) - 1);
     const __m512 b = bias ? widen_bf16(_mm256_maskz_loadu_epi16(mask, bias + n0)) : _mm512_setzero_ps();
     __m512i r[16];
@@ -417,17 +417,13 @@ void write_result(const float (*tile)[16], const uint16_t *bias, void *y, bool f
     transpose16(r);
     for (int64_t i = 0; i < 16 && m0 + i < rows; i++) {
         const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[i]), b);
-        const int64_t at = (m0 + i) * n_len + n0;
-        if (fp32_out)
-            _mm512_mask_storeu_ps(static_cast<float *>(y) + at, mask, v);
-        else
-            _mm256_mask_storeu_epi16(static_cast<uint16_t *>(y) + at, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_mask_storeu_epi16(y + (m0 + i) * n_len + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
 
 /* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k], rows <= TILE_MAX_ROWS; w row-major [n_len, k_len],
-   k_len a multiple of 32. fp32 sums, rounded once to bf16 (y bf16) or kept (fp32_out). */
-void gemm_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *y, bool fp32_out,
+   k_len a multiple of 32. fp32 sums, rounded once to bf16. */
+void gemm_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                 int64_t rows, int64_t n_len, int64_t k_len, int64_t x_stride) {
     const int64_t group = rows <= 16 ? 4 : 2; /* blocks of W per shape */
     const int64_t shape_rows = 16 * (4 / group); /* rows of x a shape takes: m_pad holds whole shapes */
@@ -455,7 +451,7 @@ void gemm_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void
                     store_results(4, out);
                     for (int t = 0; t < 4; t++) {
                         const int64_t nb = t / (4 / group), mb = t % (4 / group);
-                        write_result(out[t], bias, y, fp32_out, n0 + 16 * nb, 16, m0 + 16 * mb, rows, n_len);
+                        write_result(out[t], bias, y, n0 + 16 * nb, 16, m0 + 16 * mb, rows, n_len);
                     }
                 }
                 continue;
@@ -473,7 +469,7 @@ void gemm_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void
                     tiles_1xm(count, wb, k_len, xt + m0, m_pad);
                     store_results(count, out);
                     for (int t = 0; t < count; t++)
-                        write_result(out[t], bias, y, fp32_out, n, width, m0 + 16 * t, rows, n_len);
+                        write_result(out[t], bias, y, n, width, m0 + 16 * t, rows, n_len);
                 }
             }
         }
@@ -671,7 +667,8 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &weight, const at
                   x_stride);
 #ifdef HAVE_TILE_GEMM
     else
-        gemm_tiles(xp, wp, bp, out.mutable_data_ptr(), false, rows.size(0), n_len, k_len, x_stride);
+        gemm_tiles(xp, wp, bp, static_cast<uint16_t *>(out.mutable_data_ptr()), rows.size(0), n_len, k_len,
+                   x_stride);
 #endif
     return out;
 }
