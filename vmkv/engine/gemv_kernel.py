@@ -256,7 +256,7 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
 /* The tile GEMM, for the rows between the GEMV's and oneDNN's (AMX builds): decode batches of a
    few dozen rows. It computes y^T = W x^T on the tile unit, so the weight is the row-major A
    operand read in place (no packed copy) and only x, a few KB, is laid out in pairs per call.
-   Each 16-row block of W streams once per 64 rows of x, into up to four 16 x 16 result tiles. */
+   Each block of 16 rows of W comes from memory once per call, into 16 x 16 result tiles. */
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_TILE_GEMM 1
