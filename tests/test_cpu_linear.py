@@ -325,3 +325,13 @@ def test_the_tile_gemm_rounds_fp32_sums_once(rows: int, k_len: int, n_len: int) 
         assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
         logits = torch.ops.vmkv.packed_logits(x, weight, packed, bias)
         assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
+
+
+def test_only_avx512_bf16_builds_on_amx_cpus_get_the_tile_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tile code is compiled (-mamx-*) only where torch reports AMX tiles, and only into the
+    AVX512-BF16 build; any other CPU builds the operator as before."""
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        for isa in ("avx512_bf16", "avx2"):
+            flags = gemv_kernel._build_flags(isa)
+            assert ("-mamx-tile" in flags) is (amx and isa == "avx512_bf16")
