@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from vmkv.decode_kernel import (
     SHORT_CHUNK,
     DecodeKernel,
+    DecodeKernels,
     DecodePlan,
     KernelStep,
     kernel_step,
-    load_decode_kernel,
     paged_plan,
 )
 from vmkv.flash_support import flash_unusable_reason
@@ -234,7 +234,7 @@ class BatchedAttention:
     def __init__(self, use_kernel: bool, require_kernel: bool = False) -> None:
         self.use_kernel = use_kernel
         self.require_kernel = require_kernel
-        self._kernels: dict[int, DecodeKernel | None] = {}
+        self._kernels: DecodeKernels | None = None  # on the first decode, for its blocks' dtype and head_dim
 
     @property
     def name(self) -> str:
@@ -313,23 +313,21 @@ class BatchedAttention:
     ) -> KernelStep | None:
         """forward's one kernel call per layer, where that is all it makes (kernel_appends: every
         row a decode row); blocks: each layer's (K, V) blocks."""
-        d, kernels = plan.decode, list(self._kernels.values())
-        if not plan.kernel_appends or d is None or len(kernels) != 1 or kernels[0] is None:
+        d = plan.decode
+        kernel = self._kernels.built() if self._kernels is not None else None
+        if not plan.kernel_appends or d is None or kernel is None:
             return None
         if d.kernel_plan is None:
             d.kernel_plan = paged_plan(d.rows, d.lens, d.tables, blocks[0][0])
         keys, values = [k for k, _ in blocks], [v for _, v in blocks]
-        return kernel_step(kernels[0], d.kernel_plan, keys, values, plan.batch.num_tokens)
+        return kernel_step(kernel, d.kernel_plan, keys, values, plan.batch.num_tokens)
 
     def _kernel(self, q: torch.Tensor, k_blocks: torch.Tensor) -> DecodeKernel | None:
-        group = q.shape[1] // k_blocks.shape[2]
-        if group not in self._kernels:
-            kernel = load_decode_kernel(k_blocks.dtype, group, k_blocks.shape[3])
-            if kernel is None and self.require_kernel:
-                raise RuntimeError("the compiled paged kernel cannot be built here (see the log for why)")
-            self._kernels[group] = kernel
-            self.use_kernel = kernel is not None  # the name then says which path really runs
-        return self._kernels[group]
+        if self._kernels is None:
+            self._kernels = DecodeKernels(k_blocks.dtype, k_blocks.shape[3], required=self.require_kernel)
+        kernel = self._kernels.get(q.shape[1] // k_blocks.shape[2])
+        self.use_kernel = kernel is not None  # the name then says which path really runs
+        return kernel
 
     @staticmethod
     def _decode_sdpa(

@@ -216,6 +216,33 @@ def kernel_step(
     return KernelStep(kernel, plan, k_bases, v_bases, num_tokens)
 
 
+class DecodeKernels:
+    """The CPU decode kernel for one cache, compiled per GQA group on first use.
+
+    `enabled` turns False (with a warning, from load_decode_kernel) the first time the kernel
+    cannot be had, so later plans take the SDPA route; with `required` that raises instead.
+    """
+
+    def __init__(self, dtype: torch.dtype, head_dim: int, required: bool = False) -> None:
+        self.dtype, self.head_dim, self.required = dtype, head_dim, required
+        self.enabled = True
+        self._kernels: dict[int, DecodeKernel | None] = {}
+
+    def get(self, group: int) -> DecodeKernel | None:
+        if group not in self._kernels:
+            self._kernels[group] = load_decode_kernel(self.dtype, group, self.head_dim)
+            self.enabled = self._kernels[group] is not None
+            if not self.enabled and self.required:
+                raise RuntimeError("the CPU decode kernel cannot be built here (the log says why)")
+        return self._kernels[group]
+
+    def built(self) -> DecodeKernel | None:
+        """The one kernel built so far (a model has one GQA group), or None before the first
+        decode step has built it."""
+        kernels = list(self._kernels.values())
+        return kernels[0] if len(kernels) == 1 else None
+
+
 _loaded: dict[tuple, DecodeKernel | None] = {}
 
 
