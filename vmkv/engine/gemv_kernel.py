@@ -88,6 +88,7 @@ SOURCE = r"""
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -428,9 +429,10 @@ void gemm_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
     const int64_t group = rows <= 16 ? 4 : 2; /* blocks of W per shape */
     const int64_t shape_rows = 16 * (4 / group); /* rows of x a shape takes: m_pad holds whole shapes */
     const int64_t m_pad = (rows + shape_rows - 1) / shape_rows * shape_rows;
-    /* 64-byte aligned (a vector of 512-bit words), so no tile row straddles two cache lines */
-    std::vector<__m512i> pairs(k_len / 2 * m_pad / 16);
-    uint32_t *xt = reinterpret_cast<uint32_t *>(pairs.data());
+    /* 64-byte aligned (512-bit words), so no tile row straddles two cache lines; not zeroed, as
+       pairs_of_x writes every word */
+    const std::unique_ptr<__m512i[]> pairs(new __m512i[k_len / 2 * m_pad / 16]);
+    uint32_t *xt = reinterpret_cast<uint32_t *>(pairs.get());
     pairs_of_x(x, x_stride, rows, m_pad, k_len, xt);
     const int64_t blocks = (n_len + 15) / 16;
     at::parallel_for(0, (blocks + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
