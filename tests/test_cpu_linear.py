@@ -34,12 +34,12 @@ def test_native_bf16_cpus_get_packed_gemms_and_the_others_fp32_ones(
     assert linear_packing(EngineConfig(dtype="bfloat16", fp32_gemm=False)) == (packed if native else None)
 
 
-def test_pairs_are_the_gemm_of_avx512_bf16_cpus_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With AMX oneDNN's GEMM runs on its tiles; without AVX512-BF16 there is no pairs kernel."""
+def test_pairs_are_the_gemm_of_avx512_bf16_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX or without (the tile unit or vdpbf16ps); without AVX512-BF16 there is no pairs kernel."""
     monkeypatch.setattr(gemv_kernel, "register", lambda: True)
     for isa, amx, expected in [
         ("avx512_bf16", False, True),
-        ("avx512_bf16", True, False),
+        ("avx512_bf16", True, True),
         ("avx2", False, False),
     ]:
         monkeypatch.setattr(gemv_kernel, "gemv_isa", lambda isa=isa: isa)
@@ -68,7 +68,7 @@ def test_python_fallback_computes_linears_whose_weight_is_in_pairs() -> None:
 
 def _pairs_gemm_or_skip() -> None:
     if not gemv_kernel.pairs_gemm():
-        pytest.skip("no GEMM on weights in pairs here (needs AVX512-BF16 without AMX, and a C++ compiler)")
+        pytest.skip("no GEMM on weights in pairs here (needs AVX512-BF16 and a C++ compiler)")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 37, 64, 300])
@@ -324,6 +324,35 @@ def test_the_tile_gemm_rounds_fp32_sums_once(rows: int, k_len: int, n_len: int) 
         assert got.shape == (rows, n_len) and got.dtype == torch.bfloat16
         assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
         logits = torch.ops.vmkv.packed_logits(x, weight, packed, bias)
+        assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
+
+
+@pytest.mark.parametrize("k_len", [576, 80])  # 80: not whole tile steps, the vdpbf16ps GEMM
+@pytest.mark.parametrize("rows", [33, 600, 1100])  # by panels; by rows with a partial last block
+@pytest.mark.parametrize("n_len", [3072, 1000])  # 1,100 x 3,072: written past the caches; a partial panel
+def test_the_tile_unit_computes_linears_in_pairs_past_the_tile_gemm(
+    rows: int, k_len: int, n_len: int
+) -> None:
+    """AMX builds: rows past tile_max_rows() run the GEMM on weights in pairs on the tile unit,
+    within one bf16 rounding of the exact sum and oneDNN's values but for a rare last bit, with
+    or without a bias, x at any row stride; the logits are those values as fp32."""
+    _pairs_gemm_or_skip()
+    if not gemv_kernel.tile_max_rows():
+        pytest.skip("no tile unit here: it needs AVX512-BF16 with AMX tiles")
+    gen = torch.Generator().manual_seed(rows * n_len + k_len)
+    weight = torch.randn(n_len, k_len, generator=gen).to(torch.bfloat16)
+    pairs = gemv_kernel.in_pairs(weight)
+    x = torch.randn(rows, 2 * k_len, generator=gen).to(torch.bfloat16)[:, :k_len]  # rows 2 k_len apart
+    for bias in (torch.randn(n_len, generator=gen).to(torch.bfloat16), None):
+        exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+        got = torch.ops.vmkv.packed_linear(x, weight, pairs, bias)
+        assert got.shape == (rows, n_len) and got.dtype == torch.bfloat16
+        assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+        onednn = torch.ops.mkldnn._linear_pointwise(
+            x, torch.ops.mkldnn._reorder_linear_weight(weight), bias, "none", [], ""
+        )
+        assert (got == onednn).float().mean() > 0.999
+        logits = torch.ops.vmkv.packed_logits(x, weight, pairs, bias)
         assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
 
 

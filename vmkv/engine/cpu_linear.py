@@ -6,13 +6,16 @@ Every half-precision Linear on the CPU becomes one call of the C++ operator
 GEMV kernel streams for calls of a few rows (decode), and `packed`, which the GEMM for more
 rows reads, prepared once at load (`linear_packing` says which):
 
-- "pairs", for bf16 on AVX512-BF16 CPUs without AMX: the weight in column panels of bf16 pairs,
-  read by vmkv's own GEMM (gemv_kernel.py) for every row count, decode and prefill. On a 2-core
-  Zen 4 EPYC, over the default model's 30 layers of linears and its vocabulary projection (from
+- "pairs", for bf16 on AVX512-BF16 CPUs: the weight in column panels of bf16 pairs, read by
+  vmkv's own GEMM (gemv_kernel.py). It takes the place of oneDNN's packed copy: no more memory.
+  Without AMX it runs every row count, decode and prefill, on `vdpbf16ps`; on a 2-core Zen 4
+  EPYC, over the default model's 30 layers of linears and its vocabulary projection (from
   memory, as in a step; benchmarks/bench_gemm.py) it took, against oneDNN with the GEMV up to 12
   rows: 1.00x at 1 row, 0.93-0.96x at 4-8, 0.71-0.81x at 12-32, 0.90x at 64, 0.98-0.99x at
-  256-1,024. It takes the place of oneDNN's packed copy: no more memory.
-- "onednn", with native bf16/fp16 instructions otherwise (AMX, or fp16): oneDNN's
+  256-1,024. With AMX it runs past the GEMV's and the tile GEMM's rows, on the tile unit; on a
+  2-core AMX Xeon, against oneDNN's GEMM there: 0.83x at 64 rows, 0.86-0.88x at 128-512, 0.76x
+  at 1,024, 1.08x at 2,048.
+- "onednn", with native half-precision instructions otherwise (fp16): oneDNN's
   prepacked layout. oneDNN's plain path re-lays the weight out on every call: prepacked, a
   batch-1 [1, 576] x [576, 1536] bf16 GEMM took 144 µs against 242 µs on one core of an
   AVX512-BF16 EPYC, and the 49,152-row vocabulary projection 4.2 ms against 6.8 ms, with

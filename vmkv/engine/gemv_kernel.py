@@ -10,10 +10,12 @@ More rows go to a GEMM on `packed`, the weight prepared at load (cpu_linear.py);
 AMX tiles, up to TILE_MAX_ROWS rows first go to a tile GEMM that reads the original weight in
 place (y^T = W x^T, x laid out in pairs per call), which streams the weights nearer the memory's
 rate than oneDNN does at decode batch sizes (gemm_tiles in the source). Where `packed`
-is the weight in pairs (4-D, `in_pairs`), every row count runs this file's GEMM on it instead:
-the "pairs" packing of AVX512-BF16 CPUs without AMX (gemm_pairs in the source). Two builds:
+is the weight in pairs (4-D, `in_pairs`: bf16 on AVX512-BF16 CPUs), this file's GEMM reads it:
+every row count on `vdpbf16ps` without AMX (gemm_pairs in the source), the rows past the tile
+GEMM's on the tile unit with AMX (gemm_pairs_tiles). Two builds:
 
-- AVX512-BF16: `vdpbf16ps` on the raw bf16 values; `packed` is oneDNN's layout of the weight.
+- AVX512-BF16: `vdpbf16ps` on the raw bf16 values (and AMX tiles where the CPU has them);
+  `packed` is the weight in pairs, or oneDNN's layout of an fp16 weight.
   oneDNN (prepacked) read a [1536, 576] bf16 weight at 12 GB/s on one core of an AVX512-BF16
   EPYC whose plain sum reads 18 GB/s; the kernel's outputs were within one bf16 step of
   torch's (0.07% of them apart in a [1536, 576] test).
@@ -56,7 +58,8 @@ log = logging.getLogger(__name__)
 #   against 17.4), at 14 slower (18.7-19.1 against 18.0-18.4).
 # - AVX2 keeps its earlier limit of 4, not measured again since.
 MAX_ROWS = {"avx512_bf16_amx": 6, "avx512_bf16": 12, "avx2": 4}
-# Rows up to which the tile GEMM (AMX builds) runs after the GEMV, before oneDNN. The default
+# Rows up to which the tile GEMM (AMX builds) runs after the GEMV, before the GEMM on weights in
+# pairs (oneDNN's GEMM when this was measured; not measured again against pairs). The default
 # model's 30 layers and vocabulary projection from memory (benchmarks/bench_gemm.py, a 2-core AMX
 # Xeon, two alternated runs): 8 rows 14.8 / 14.7 ms against oneDNN's 18.3 / 23.6, 16 rows 14.9 /
 # 14.3 against 19.2 / 21.4, 24 rows 18.2 / 17.5 against 22.1 / 24.9, 32 rows 18.2 / 18.1 against
@@ -254,7 +257,7 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* The tile GEMM, for the rows between the GEMV's and oneDNN's (AMX builds): decode batches of a
+/* The tile GEMM, for the rows between the GEMV's and the packed GEMM's (AMX builds): decode batches of a
    few dozen rows. It computes y^T = W x^T on the tile unit, so the weight is the row-major A
    operand read in place (no packed copy) and only x, a few KB, is laid out in pairs per call.
    Each block of 16 rows of W comes from memory once per call, into 16 x 16 result tiles. */
@@ -262,7 +265,7 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
 #include <unistd.h>
 #define HAVE_TILE_GEMM 1
 
-constexpr int64_t TILE_MAX_ROWS = GEMM_TILE_MAX_ROWS; /* defined at build: above it, oneDNN */
+constexpr int64_t TILE_MAX_ROWS = GEMM_TILE_MAX_ROWS; /* defined at build: above it, the packed GEMM */
 
 struct alignas(64) TileConfig {
     uint8_t palette, start_row, reserved[14];
@@ -481,6 +484,130 @@ void gemm_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
             _tile_release();
     });
 }
+
+/* The GEMM on weights in pairs, on the tile unit (AMX builds; more rows than the tile GEMM
+   takes). A panel of pairs ([k / 2][PANEL][2]) is the tile product's B operand as it lies: two
+   16-column tiles whose rows (k pairs) are 128 bytes apart; x's rows are the A operand in place,
+   so per call only a last partial block of rows is copied. A block is 32 rows x one panel, 2 x 2
+   result tiles. Tiles are not renamed, so a block's conversion to bf16 held the tile unit up;
+   each block's results are written while the next block's tile products run (PendingRows).
+   Calls of PAIRS_SPLIT_ROWS rows or more are split over threads by rows (each thread every
+   panel), fewer by panels. Outputs larger than STREAM_BYTES are written past the caches.
+   Measured on a 2-core AMX Xeon (the model's 30 layers, docs/engine.md "Weights in pairs"). */
+constexpr int64_t PAIRS_BLOCK_ROWS = 32;
+constexpr int64_t PAIRS_ROW_CHUNK = 256; /* rows per pass over a thread's panels: x's chunk stays in L2 */
+constexpr int64_t PAIRS_SPLIT_ROWS = 512;
+constexpr int64_t STREAM_BYTES = 4 << 20;
+
+/* A finished block's 2 x 2 result tiles ([x rows 0-15 | 16-31][columns 0-15 | 16-31]), written
+   a few rows at a time as y's columns [n0, n0 + width) of `rows` rows from y_row. */
+struct PendingRows {
+    alignas(64) float tiles[4][16][16];
+    int64_t y_row = 0, n0 = 0;
+    int rows = 0, done = 0, width = PANEL;
+    __m512 bias[2];
+
+    void write(void *y, int64_t n_len, bool fp32_out, bool stream, int upto) {
+        const __mmask32 mask = (__mmask32)(width == 32 ? 0xffffffffu : (1u << width) - 1);
+        for (; done < rows && done < upto; done++) {
+            const int half = done / 16 * 2, r = done % 16;
+            const __m512 lo = _mm512_add_ps(_mm512_load_ps(tiles[half][r]), bias[0]);
+            const __m512 hi = _mm512_add_ps(_mm512_load_ps(tiles[half + 1][r]), bias[1]);
+            const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* 32 bf16, columns in order */
+            const int64_t at = (y_row + done) * n_len + n0;
+            if (fp32_out) {
+                float *out = static_cast<float *>(y) + at;
+                const __m512 lo32 = widen_bf16(_mm512_castsi512_si256(h));
+                const __m512 hi32 = widen_bf16(_mm512_extracti64x4_epi64(h, 1));
+                _mm512_mask_storeu_ps(out, (__mmask16)mask, lo32);
+                _mm512_mask_storeu_ps(out + 16, (__mmask16)(mask >> 16), hi32);
+            } else if (stream && width == 32) {
+                _mm512_stream_si512(reinterpret_cast<__m512i *>(static_cast<uint16_t *>(y) + at), h);
+            } else {
+                _mm512_mask_storeu_epi16(static_cast<uint16_t *>(y) + at, mask, h);
+            }
+        }
+    }
+};
+
+/* 32 rows of x (row stride x_stride) against a panel into result tiles 0-3, writing `pending`'s
+   rows as the products run. */
+void pairs_block(const uint16_t *x, int64_t x_stride, const uint16_t *panel, int64_t k_len,
+                 PendingRows &pending, void *y, int64_t n_len, bool fp32_out, bool stream) {
+    const int64_t steps = k_len / 32;
+    const int per_step = (int)((pending.rows + steps - 1) / steps);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        const uint16_t *b = panel + s * 32 * PANEL;
+        _tile_loadd(4, b, 2 * PANEL * 2);
+        _tile_loadd(5, b + 32, 2 * PANEL * 2);
+        _tile_loadd(6, x + s * 32, x_stride * 2);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_dpbf16ps(1, 6, 5);
+        _tile_loadd(7, x + 16 * x_stride + s * 32, x_stride * 2);
+        _tile_dpbf16ps(2, 7, 4);
+        _tile_dpbf16ps(3, 7, 5);
+        pending.write(y, n_len, fp32_out, stream, (int)(s + 1) * per_step);
+    }
+    pending.write(y, n_len, fp32_out, stream, PAIRS_BLOCK_ROWS);
+}
+
+/* gemm_pairs on the tile unit: the same arguments, k_len a multiple of 32. */
+void gemm_pairs_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *y, bool fp32_out,
+                      int64_t rows, int64_t n_len, int64_t k_len, int64_t x_stride) {
+    const int64_t panels = (n_len + PANEL - 1) / PANEL, full = rows / PAIRS_BLOCK_ROWS * PAIRS_BLOCK_ROWS;
+    std::unique_ptr<__m512i[]> tail; /* the last rows, zero padded to a block, 64-byte aligned */
+    if (rows > full) {
+        tail.reset(new __m512i[PAIRS_BLOCK_ROWS * k_len / 32]());
+        uint16_t *padded = reinterpret_cast<uint16_t *>(tail.get());
+        for (int64_t r = full; r < rows; r++)
+            memcpy(padded + (r - full) * k_len, x + r * x_stride, k_len * 2);
+    }
+    const bool stream = !fp32_out && n_len % PANEL == 0 && rows * n_len * 2 > STREAM_BYTES;
+    auto run = [&](int64_t row_begin, int64_t row_end, int64_t panel_begin, int64_t panel_end) {
+        TileConfig cfg, saved; /* the thread's tile configuration (oneDNN's), restored after */
+        _tile_storeconfig(&saved);
+        tile_config(&cfg);
+        _tile_loadconfig(&cfg);
+        PendingRows pending;
+        for (int64_t m0 = row_begin; m0 < row_end; m0 += PAIRS_ROW_CHUNK)
+            for (int64_t p = panel_begin; p < panel_end; p++) {
+                const int64_t n0 = p * PANEL;
+                const int width = (int)std::min<int64_t>(PANEL, n_len - n0);
+                __m512 add[2];
+                for (int j = 0; j < 2; j++) {
+                    const int w16 = std::max(0, std::min(16, width - 16 * j));
+                    const __mmask16 mask = (__mmask16)((1u << w16) - 1);
+                    add[j] = _mm512_setzero_ps();
+                    if (bias) add[j] = widen_bf16(_mm256_maskz_loadu_epi16(mask, bias + n0 + 16 * j));
+                }
+                for (int64_t r = m0; r < std::min(row_end, m0 + PAIRS_ROW_CHUNK); r += PAIRS_BLOCK_ROWS) {
+                    const bool in_place = r < full;
+                    pairs_block(in_place ? x + r * x_stride : reinterpret_cast<const uint16_t *>(tail.get()),
+                                in_place ? x_stride : k_len, w + p * k_len * PANEL, k_len, pending, y, n_len,
+                                fp32_out, stream);
+                    store_results(4, pending.tiles);
+                    pending.y_row = r, pending.n0 = n0, pending.width = width, pending.done = 0;
+                    pending.rows = (int)std::min<int64_t>(PAIRS_BLOCK_ROWS, rows - r);
+                    pending.bias[0] = add[0], pending.bias[1] = add[1];
+                }
+            }
+        pending.write(y, n_len, fp32_out, stream, PAIRS_BLOCK_ROWS);
+        if (stream) _mm_sfence(); /* streamed stores are weakly ordered: visible before the join */
+        if (saved.palette)
+            _tile_loadconfig(&saved);
+        else
+            _tile_release();
+    };
+    if (rows >= PAIRS_SPLIT_ROWS) {
+        const int64_t blocks = (rows + PAIRS_BLOCK_ROWS - 1) / PAIRS_BLOCK_ROWS;
+        at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+            run(begin * PAIRS_BLOCK_ROWS, std::min(rows, end * PAIRS_BLOCK_ROWS), 0, panels);
+        });
+    } else {
+        at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) { run(0, rows, begin, end); });
+    }
+}
 #endif
 #else
 /* AVX2 + FMA: each 32-bit lane of 16 loaded bf16 weights holds an even and an odd element,
@@ -594,7 +721,8 @@ void round_to_bf16_(at::Tensor &t) {
 bool in_place_takes(const at::Tensor &x, const at::Tensor &weight, const OptionalTensor &bias,
                     int64_t max_rows, int64_t k_multiple) {
     const int64_t k_len = x.size(-1);
-    return x.numel() <= max_rows * k_len && k_len % k_multiple == 0 && x.scalar_type() == at::kBFloat16 &&
+    return x.numel() <= max_rows * k_len && k_len % k_multiple == 0 && weight.size(-1) == k_len &&
+           x.scalar_type() == at::kBFloat16 &&
            weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
            (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()));
 }
@@ -633,26 +761,45 @@ at::Tensor pairs_linear(const at::Tensor &x, const at::Tensor &packed, const Opt
     at::Tensor out = at::empty(sizes, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16)
                                           .memory_format(at::MemoryFormat::Contiguous));
     if (rows.size(0) == 0) return out;
-    gemm_pairs(static_cast<const uint16_t *>(rows.const_data_ptr()),
-               static_cast<const uint16_t *>(w.const_data_ptr()),
-               bias ? static_cast<const uint16_t *>(bias->const_data_ptr()) : nullptr, out.mutable_data_ptr(),
-               fp32_out, rows.size(0), n_len, k_len, rows.size(0) > 1 ? rows.stride(0) : k_len);
+    const auto *xp = static_cast<const uint16_t *>(rows.const_data_ptr());
+    const auto *wp = static_cast<const uint16_t *>(w.const_data_ptr());
+    const auto *bp = bias ? static_cast<const uint16_t *>(bias->const_data_ptr()) : nullptr;
+    const int64_t x_stride = rows.size(0) > 1 ? rows.stride(0) : k_len;
+#ifdef HAVE_TILE_GEMM
+    if (k_len % 32 == 0 && amx_usable()) {
+        gemm_pairs_tiles(xp, wp, bp, out.mutable_data_ptr(), fp32_out, rows.size(0), n_len, k_len, x_stride);
+        return out;
+    }
+#endif
+    gemm_pairs(xp, wp, bp, out.mutable_data_ptr(), fp32_out, rows.size(0), n_len, k_len, x_stride);
     return out;
 #else
     TORCH_CHECK(false, "weights in pairs need the AVX512-BF16 build of this operator");
 #endif
 }
 
-/* x [..., K] (any strides) @ weight [N, K].T (+ bias) -> [..., N]. packed: oneDNN's layout of
-   weight, or weight in fp32 where the CPU has no native half-precision GEMM. */
+/* Whether a call reads the original weight in place (the GEMV, or the tile GEMM) rather than
+   `packed`. Weights in pairs take every row count where the build has no tile unit (AVX512-BF16
+   without AMX, where their GEMM was level with the GEMV at one row); with AMX the GEMV and the
+   tile GEMM keep the decode rows they were measured faster at. */
+bool reads_in_place(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
+                    const OptionalTensor &bias) {
+#ifndef HAVE_TILE_GEMM
+    if (packed.dim() == 4) return false;
+#endif
+    return gemv_takes(x, weight, bias) || tiles_take(x, weight, packed, bias);
+}
+
+/* x [..., K] (any strides) @ weight [N, K].T (+ bias) -> [..., N]. packed: the weight in pairs,
+   oneDNN's layout of it, or the weight in fp32 where the CPU has no native half-precision GEMM. */
 at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
                          const OptionalTensor &bias) {
-    if (packed.dim() == 4) return pairs_linear(x, packed, bias, weight.size(0), false);
-    const bool gemv = gemv_takes(x, weight, bias);
-    if (!gemv && !tiles_take(x, weight, packed, bias)) {
+    if (!reads_in_place(x, weight, packed, bias)) {
+        if (packed.dim() == 4) return pairs_linear(x, packed, bias, weight.size(0), false);
         if (packed.scalar_type() == at::kFloat) return fp32_linear(x, packed, bias);
         return onednn_linear(x, packed, bias);
     }
+    const bool gemv = gemv_takes(x, weight, bias);
     const int64_t k_len = x.size(-1), n_len = weight.size(0);
     at::Tensor rows = x.reshape({-1, k_len});
     if (rows.stride(1) != 1) rows = rows.contiguous();
@@ -680,7 +827,8 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &weight, const at
    on a 2-core AVX2 EPYC those two conversions took ~4 ms each (torch.profiler). */
 at::Tensor packed_logits(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
                          const OptionalTensor &bias) {
-    if (packed.dim() == 4) return pairs_linear(x, packed, bias, weight.size(0), true);
+    if (packed.dim() == 4 && !reads_in_place(x, weight, packed, bias))
+        return pairs_linear(x, packed, bias, weight.size(0), true);
     const bool fp32_bf16 = packed.scalar_type() == at::kFloat && x.scalar_type() == at::kBFloat16;
     if (fp32_bf16 && !gemv_takes(x, weight, bias)) {
         at::Tensor out = fp32_gemm(x, packed, bias).contiguous();
@@ -730,9 +878,9 @@ PAIRS_PANEL = 32
 
 
 def pairs_gemm() -> bool:
-    """Whether linears run the GEMM on weights in pairs here: bf16 on AVX512-BF16 without AMX,
-    where the kernel builds. With AMX, oneDNN's GEMM runs on its tiles (not compared here)."""
-    return gemv_isa() == "avx512_bf16" and not torch.cpu._is_amx_tile_supported() and register()
+    """Whether linears run the GEMM on weights in pairs here: bf16 on AVX512-BF16 CPUs, where the
+    kernel builds (on the tile unit where the CPU has AMX and the OS grants it)."""
+    return gemv_isa() == "avx512_bf16" and register()
 
 
 def in_pairs(weight: torch.Tensor) -> torch.Tensor:
@@ -745,7 +893,7 @@ def in_pairs(weight: torch.Tensor) -> torch.Tensor:
 
 def tile_max_rows() -> int:
     """Rows of x up to which packed_linear runs the tile GEMM after the GEMV: TILE_MAX_ROWS where
-    the build has it (AVX512-BF16 with AMX tiles; it falls back to oneDNN where the OS refuses
+    the build has it (AVX512-BF16 with AMX tiles; it falls back to the packed GEMM where the OS refuses
     the tiles), else 0."""
     isa = gemv_isa()
     return TILE_MAX_ROWS if isa is not None and _has_tiles(isa) and register() else 0
