@@ -59,13 +59,14 @@ log = logging.getLogger(__name__)
 # - AVX2 keeps its earlier limit of 4, not measured again since.
 MAX_ROWS = {"avx512_bf16_amx": 6, "avx512_bf16": 12, "avx2": 4}
 # Rows up to which the tile GEMM (AMX builds) runs after the GEMV, before the GEMM on weights in
-# pairs (oneDNN's GEMM when this was measured; not measured again against pairs). The default
-# model's 30 layers and vocabulary projection from memory (benchmarks/bench_gemm.py, a 2-core AMX
-# Xeon, two alternated runs): 8 rows 14.8 / 14.7 ms against oneDNN's 18.3 / 23.6, 16 rows 14.9 /
-# 14.3 against 19.2 / 21.4, 24 rows 18.2 / 17.5 against 22.1 / 24.9, 32 rows 18.2 / 18.1 against
-# 22.4 / 26.3; at 48 and 64 rows level or slower (28.4 / 25.7 against 24.1 / 29.8, 31.0 / 28.6
-# against 28.3 / 31.9).
-TILE_MAX_ROWS = 32
+# pairs (on the tile unit too, there). Against oneDNN's GEMM it was the faster from 7 to 32 rows
+# (the default model's 30 layers and vocabulary projection from memory, benchmarks/bench_gemm.py,
+# a 2-core AMX Xeon: 14.3-14.9 ms at 16 rows against 19.2-21.4); against the GEMM on pairs, in
+# compiled vattention decode steps at 300 tokens of context (one engine per process, three
+# alternated rounds, medians), it is the faster at 8 and 16 sequences (23 against 25 ms, 27.5
+# against 29) and the slower from 20 (20, 24, 28 and 32 sequences: 0.94x, 0.96x, 0.90x and 0.92x
+# the time with pairs from 17 rows).
+TILE_MAX_ROWS = 16
 
 
 def _row_limit(isa: str) -> int:
@@ -304,23 +305,20 @@ inline void transpose16(__m512i r[16]) {
     }
 }
 
-/* x [rows, k] -> xt [k / 2][m_pad] words: xt[p][m] = (x[m][2p], x[m][2p + 1]), zero past rows;
-   16 x 16 blocks of words transposed in registers (k / 2 is a multiple of 16). */
-void pairs_of_x(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t m_pad, int64_t k_len,
-                uint32_t *xt) {
-    for (int64_t m0 = 0; m0 < m_pad; m0 += 16)
-        for (int64_t p0 = 0; p0 < k_len / 2; p0 += 16) {
-            __m512i r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = m0 + i < rows ? _mm512_loadu_si512(x + (m0 + i) * x_stride + 2 * p0)
-                                     : _mm512_setzero_si512();
-            transpose16(r);
-            for (int j = 0; j < 16; j++) _mm512_storeu_si512(xt + (p0 + j) * m_pad + m0, r[j]);
-        }
+/* x [rows <= 16, k] -> xt [k / 2][16] words: xt[p][m] = (x[m][2p], x[m][2p + 1]), zero past
+   rows; 16 x 16 blocks of words transposed in registers (k / 2 is a multiple of 16). */
+void pairs_of_x(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t k_len, uint32_t *xt) {
+    for (int64_t p0 = 0; p0 < k_len / 2; p0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = i < rows ? _mm512_loadu_si512(x + i * x_stride + 2 * p0) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int j = 0; j < 16; j++) _mm512_store_si512(xt + (p0 + j) * 16, r[j]);
+    }
 }
 
-/* Every tile 16 rows x 64 bytes: 0-3 results [16 rows of W][16 rows of x] in fp32, the rest
-   operands (16 rows of W x 32 k, or 16 k pairs of x^T x 16 rows of x). */
+/* Every tile 16 rows x 64 bytes: 0-3 fp32 results, 4-7 bf16 operands (16 rows x 32 k, or 16 k
+   pairs x 16 columns). */
 void tile_config(TileConfig *cfg) {
     memset(cfg, 0, sizeof *cfg);
     cfg->palette = 1;
@@ -330,77 +328,28 @@ void tile_config(TileConfig *cfg) {
     }
 }
 
-/* Result tile t of a shape below holds W block t / MB against x block t % MB. One result tile
-   is a chain of dependent tile products (one per 32 k), so a shape keeps four in flight, and
-   reuses each loaded operand for two to four of them:
-   - 4 x 1 (x <= 16 rows): four blocks of W against x's one block;
-   - 2 x 2 (more rows): two blocks of W against two of x, for each pair of x's blocks in turn
-     (the two blocks of W, 36 KB at k = 576, are read from memory once and then from cache);
-   - 1 x MB (W's last blocks): one block of W against up to four of x. */
-void tiles_4x1(const uint16_t *w, int64_t k_len, const uint32_t *xt, int64_t m_pad) {
+/* Four blocks of 16 rows of W (from w) against x's block into result tiles 0-3 (W's last
+   blocks: `count` of them). One result tile is a chain of dependent tile products (one per 32
+   k), so four keep the tile unit busy, and each load of x serves all four. */
+void tiles_4x1(int count, const uint16_t *w, int64_t k_len, const uint32_t *xt) {
     const int64_t step = k_len * 2; /* bytes between rows of W */
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t k = 0; k < k_len; k += 32) {
-        _tile_loadd(6, xt + (k / 2) * m_pad, m_pad * 4);
+        _tile_loadd(6, xt + (k / 2) * 16, 64);
         _tile_loadd(4, w + k, step);
         _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(5, w + 16 * k_len + k, step);
-        _tile_dpbf16ps(1, 5, 6);
-        _tile_loadd(4, w + 32 * k_len + k, step);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_loadd(5, w + 48 * k_len + k, step);
-        _tile_dpbf16ps(3, 5, 6);
-    }
-}
-
-void tiles_2x2(const uint16_t *w, int64_t k_len, const uint32_t *xt, int64_t m_pad) {
-    const int64_t step = k_len * 2;
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int64_t k = 0; k < k_len; k += 32) {
-        const uint32_t *b = xt + (k / 2) * m_pad;
-        _tile_loadd(6, b, m_pad * 4);
-        _tile_loadd(7, b + 16, m_pad * 4);
-        _tile_loadd(4, w + k, step);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, w + 16 * k_len + k, step);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
-}
-
-template <int MB>
-void tiles_1xm(const uint16_t *w, int64_t k_len, const uint32_t *xt, int64_t m_pad) {
-    _tile_zero(0);
-    if (MB > 1) _tile_zero(1);
-    if (MB > 2) _tile_zero(2);
-    if (MB > 3) _tile_zero(3);
-    for (int64_t k = 0; k < k_len; k += 32) {
-        const uint32_t *b = xt + (k / 2) * m_pad;
-        _tile_loadd(4, w + k, k_len * 2);
-        _tile_loadd(5, b, m_pad * 4);
-        _tile_dpbf16ps(0, 4, 5);
-        if (MB > 1) {
-            _tile_loadd(6, b + 16, m_pad * 4);
-            _tile_dpbf16ps(1, 4, 6);
+        if (count > 1) {
+            _tile_loadd(5, w + 16 * k_len + k, step);
+            _tile_dpbf16ps(1, 5, 6);
         }
-        if (MB > 2) {
-            _tile_loadd(7, b + 32, m_pad * 4);
-            _tile_dpbf16ps(2, 4, 7);
+        if (count > 2) {
+            _tile_loadd(4, w + 32 * k_len + k, step);
+            _tile_dpbf16ps(2, 4, 6);
         }
-        if (MB > 3) {
-            _tile_loadd(5, b + 48, m_pad * 4);
-            _tile_dpbf16ps(3, 4, 5);
+        if (count > 3) {
+            _tile_loadd(5, w + 48 * k_len + k, step);
+            _tile_dpbf16ps(3, 5, 6);
         }
-    }
-}
-
-void tiles_1xm(int blocks, const uint16_t *w, int64_t k_len, const uint32_t *xt, int64_t m_pad) {
-    switch (blocks) {
-        case 1: return tiles_1xm<1>(w, k_len, xt, m_pad);
-        case 2: return tiles_1xm<2>(w, k_len, xt, m_pad);
-        case 3: return tiles_1xm<3>(w, k_len, xt, m_pad);
-        default: return tiles_1xm<4>(w, k_len, xt, m_pad);
     }
 }
 
@@ -411,71 +360,52 @@ void store_results(int count, float (*out)[16][16]) {
     if (count > 3) _tile_stored(3, out[3], 64);
 }
 
-/* A result tile [16 rows of W from n0][16 rows of x from m0] (+ bias), rounded to bf16, into y's rows. */
+/* A result tile [16 rows of W from n0][16 rows of x] (+ bias), rounded to bf16, into y's rows. */
 void write_result(const float (*tile)[16], const uint16_t *bias, uint16_t *y, int64_t n0, int64_t width,
-                  int64_t m0, int64_t rows, int64_t n_len) {
+                  int64_t rows, int64_t n_len) {
     const __mmask16 mask = (__mmask16)((1u << width) - 1);
     const __m512 b = bias ? widen_bf16(_mm256_maskz_loadu_epi16(mask, bias + n0)) : _mm512_setzero_ps();
     __m512i r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(tile[i]);
     transpose16(r);
-    for (int64_t i = 0; i < 16 && m0 + i < rows; i++) {
+    for (int64_t i = 0; i < rows; i++) {
         const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[i]), b);
-        _mm256_mask_storeu_epi16(y + (m0 + i) * n_len + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_mask_storeu_epi16(y + i * n_len + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
 
-/* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k], rows <= TILE_MAX_ROWS; w row-major [n_len, k_len],
-   k_len a multiple of 32. fp32 sums, rounded once to bf16. */
+/* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k], rows <= TILE_MAX_ROWS (16: one block of x);
+   w row-major [n_len, k_len], k_len a multiple of 32. fp32 sums, rounded once to bf16. */
 void gemm_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                 int64_t rows, int64_t n_len, int64_t k_len, int64_t x_stride) {
-    const int64_t group = rows <= 16 ? 4 : 2; /* blocks of W per shape */
-    const int64_t shape_rows = 16 * (4 / group); /* rows of x a shape takes: m_pad holds whole shapes */
-    const int64_t m_pad = (rows + shape_rows - 1) / shape_rows * shape_rows;
     /* 64-byte aligned (512-bit words), so no tile row straddles two cache lines; not zeroed, as
        pairs_of_x writes every word */
-    const std::unique_ptr<__m512i[]> pairs(new __m512i[k_len / 2 * m_pad / 16]);
+    const std::unique_ptr<__m512i[]> pairs(new __m512i[k_len / 2]);
     uint32_t *xt = reinterpret_cast<uint32_t *>(pairs.get());
-    pairs_of_x(x, x_stride, rows, m_pad, k_len, xt);
+    pairs_of_x(x, x_stride, rows, k_len, xt);
     const int64_t blocks = (n_len + 15) / 16;
-    at::parallel_for(0, (blocks + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t begin, int64_t end) {
         TileConfig cfg, saved; /* the thread's tile configuration (oneDNN's), restored after */
         _tile_storeconfig(&saved);
         tile_config(&cfg);
         _tile_loadconfig(&cfg);
         alignas(64) float out[4][16][16];
-        std::vector<uint16_t> tail;
+        std::vector<uint16_t> last; /* W's last rows, padded to a tile with zeros */
         for (int64_t g = begin; g < end; g++) {
-            const int64_t n0 = g * group * 16;
-            if (n0 + group * 16 <= n_len) {
-                for (int64_t m0 = 0; m0 < rows; m0 += 64 / group) {
-                    if (group == 4)
-                        tiles_4x1(w + n0 * k_len, k_len, xt, m_pad);
-                    else
-                        tiles_2x2(w + n0 * k_len, k_len, xt + m0, m_pad);
-                    store_results(4, out);
-                    for (int t = 0; t < 4; t++) {
-                        const int64_t nb = t / (4 / group), mb = t % (4 / group);
-                        write_result(out[t], bias, y, n0 + 16 * nb, 16, m0 + 16 * mb, rows, n_len);
-                    }
-                }
-                continue;
+            const int64_t n0 = g * 64;
+            const int count = (int)std::min<int64_t>(blocks - g * 4, 4);
+            const int64_t width = std::min<int64_t>(n_len - n0, 64); /* rows of W this group holds */
+            const uint16_t *wg = w + n0 * k_len;
+            if (width < 16 * count) {
+                last.assign(16 * count * k_len, 0);
+                memcpy(last.data(), wg, width * k_len * 2);
+                wg = last.data();
             }
-            for (int64_t n = n0; n < n_len && n < n0 + group * 16; n += 16) { /* one block at a time */
-                const int64_t width = n_len - n < 16 ? n_len - n : 16;
-                const uint16_t *wb = w + n * k_len;
-                if (width < 16) { /* W's last rows, padded to a tile with zeros */
-                    tail.assign(16 * k_len, 0);
-                    memcpy(tail.data(), wb, width * k_len * 2);
-                    wb = tail.data();
-                }
-                for (int64_t m0 = 0; m0 < rows; m0 += 64) {
-                    const int count = (int)std::min<int64_t>((rows - m0 + 15) / 16, 4);
-                    tiles_1xm(count, wb, k_len, xt + m0, m_pad);
-                    store_results(count, out);
-                    for (int t = 0; t < count; t++)
-                        write_result(out[t], bias, y, n, width, m0 + 16 * t, rows, n_len);
-                }
+            tiles_4x1(count, wg, k_len, xt);
+            store_results(count, out);
+            for (int t = 0; t < count; t++) {
+                const int64_t block_width = std::min<int64_t>(width - 16 * t, 16);
+                write_result(out[t], bias, y, n0 + 16 * t, block_width, rows, n_len);
             }
         }
         if (saved.palette)
