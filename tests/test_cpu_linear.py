@@ -319,12 +319,21 @@ def test_the_tile_gemm_rounds_fp32_sums_once(rows: int, k_len: int, n_len: int) 
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     x = torch.randn(rows, 2 * k_len, generator=gen).to(torch.bfloat16)[:, :k_len]  # rows 2 k_len apart
     for bias in (torch.randn(n_len, generator=gen).to(torch.bfloat16), None):
-        exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
-        got = torch.ops.vmkv.packed_linear(x, weight, packed, bias)
-        assert got.shape == (rows, n_len) and got.dtype == torch.bfloat16
-        assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
-        logits = torch.ops.vmkv.packed_logits(x, weight, packed, bias)
-        assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
+        _assert_rounds_fp32_sums_once(x, weight, packed, bias)
+
+
+def _assert_rounds_fp32_sums_once(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """packed_linear's output is within one bf16 rounding of the exact sum, and packed_logits
+    gives those values as fp32; returns the output."""
+    exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    got = torch.ops.vmkv.packed_linear(x, weight, packed, bias)
+    assert got.shape == exact.shape and got.dtype == torch.bfloat16
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+    logits = torch.ops.vmkv.packed_logits(x, weight, packed, bias)
+    assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
+    return got
 
 
 @pytest.mark.parametrize("k_len", [576, 80])  # 80: not whole tile steps, the vdpbf16ps GEMM
@@ -344,16 +353,11 @@ def test_the_tile_unit_computes_linears_in_pairs_past_the_tile_gemm(
     pairs = gemv_kernel.in_pairs(weight)
     x = torch.randn(rows, 2 * k_len, generator=gen).to(torch.bfloat16)[:, :k_len]  # rows 2 k_len apart
     for bias in (torch.randn(n_len, generator=gen).to(torch.bfloat16), None):
-        exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
-        got = torch.ops.vmkv.packed_linear(x, weight, pairs, bias)
-        assert got.shape == (rows, n_len) and got.dtype == torch.bfloat16
-        assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+        got = _assert_rounds_fp32_sums_once(x, weight, pairs, bias)
         onednn = torch.ops.mkldnn._linear_pointwise(
             x, torch.ops.mkldnn._reorder_linear_weight(weight), bias, "none", [], ""
         )
         assert (got == onednn).float().mean() > 0.999
-        logits = torch.ops.vmkv.packed_logits(x, weight, pairs, bias)
-        assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
 
 
 def test_only_avx512_bf16_builds_on_amx_cpus_get_the_tile_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
