@@ -206,6 +206,17 @@ inline void store_sums(void *y, bool fp32_out, int64_t at, __mmask16 mask, __m51
         _mm256_mask_storeu_epi16(static_cast<uint16_t *>(y) + at, mask, h);
 }
 
+/* A panel's two 16-column halves from column n0: which columns exist (mask) and their bias (add). */
+inline void panel_columns(const uint16_t *bias, int64_t n0, int64_t n_len, __mmask16 mask[2], __m512 add[2]) {
+    for (int j = 0; j < 2; j++) {
+        const int64_t c0 = n0 + 16 * j, left = n_len - c0;
+        const int64_t width = left < 0 ? 0 : (left < 16 ? left : 16);
+        mask[j] = (__mmask16)((1u << width) - 1);
+        add[j] = _mm512_setzero_ps();
+        if (bias) add[j] = widen_bf16(_mm256_maskz_loadu_epi16(mask[j], bias + c0));
+    }
+}
+
 /* y = x @ w.T + bias, rounded once to bf16; stored as bf16, or as those values in fp32 (logits).
    x [rows, k] with row stride x_stride, k even; w in pairs for n columns. */
 void gemm_pairs(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *y, bool fp32_out,
@@ -217,13 +228,7 @@ void gemm_pairs(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void
             const int64_t n0 = b * PANEL;
             __m512 add[2];
             __mmask16 mask[2];
-            for (int j = 0; j < 2; j++) {
-                const int64_t c0 = n0 + 16 * j, left = n_len - c0;
-                const int64_t width = left < 0 ? 0 : (left < 16 ? left : 16);
-                mask[j] = (__mmask16)((1u << width) - 1);
-                add[j] = _mm512_setzero_ps();
-                if (bias) add[j] = widen_bf16(_mm256_maskz_loadu_epi16(mask[j], bias + c0));
-            }
+            panel_columns(bias, n0, n_len, mask, add);
             for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROWS) {
                 const int block = rows - r0 < PANEL_ROWS ? (int)(rows - r0) : PANEL_ROWS;
                 __m512 acc[PANEL_ROWS][2];
@@ -258,8 +263,8 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* The tile GEMM, for the rows between the GEMV's and the packed GEMM's (AMX builds): decode batches of a
-   few dozen rows. It computes y^T = W x^T on the tile unit, so the weight is the row-major A
+/* The tile GEMM, for the rows between the GEMV's and the packed GEMM's (AMX builds): small decode
+   batches. It computes y^T = W x^T on the tile unit, so the weight is the row-major A
    operand read in place (no packed copy) and only x, a few KB, is laid out in pairs per call.
    Each block of 16 rows of W comes from memory once per call, into 16 x 16 result tiles. */
 #include <sys/syscall.h>
@@ -267,6 +272,7 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
 #define HAVE_TILE_GEMM 1
 
 constexpr int64_t TILE_MAX_ROWS = GEMM_TILE_MAX_ROWS; /* defined at build: above it, the packed GEMM */
+static_assert(TILE_MAX_ROWS <= 16, "gemm_tiles lays x out as one block of 16 rows");
 
 struct alignas(64) TileConfig {
     uint8_t palette, start_row, reserved[14];
@@ -430,31 +436,31 @@ constexpr int64_t PAIRS_SPLIT_ROWS = 512;
 constexpr int64_t STREAM_BYTES = 4 << 20;
 
 /* A finished block's 2 x 2 result tiles ([x rows 0-15 | 16-31][columns 0-15 | 16-31]), written
-   a few rows at a time as y's columns [n0, n0 + width) of `rows` rows from y_row. */
+   a few rows at a time as y's panel columns from n0 (panel_columns' mask and add) of `rows` rows
+   from y_row. */
 struct PendingRows {
     alignas(64) float tiles[4][16][16];
     int64_t y_row = 0, n0 = 0;
-    int rows = 0, done = 0, width = PANEL;
-    __m512 bias[2];
+    int rows = 0, done = 0;
+    __mmask16 mask[2];
+    __m512 add[2];
 
     void write(void *y, int64_t n_len, bool fp32_out, bool stream, int upto) {
-        const __mmask32 mask = (__mmask32)(width == 32 ? 0xffffffffu : (1u << width) - 1);
+        const __mmask32 both = (__mmask32)mask[0] | ((__mmask32)mask[1] << 16);
         for (; done < rows && done < upto; done++) {
             const int half = done / 16 * 2, r = done % 16;
-            const __m512 lo = _mm512_add_ps(_mm512_load_ps(tiles[half][r]), bias[0]);
-            const __m512 hi = _mm512_add_ps(_mm512_load_ps(tiles[half + 1][r]), bias[1]);
+            const __m512 lo = _mm512_add_ps(_mm512_load_ps(tiles[half][r]), add[0]);
+            const __m512 hi = _mm512_add_ps(_mm512_load_ps(tiles[half + 1][r]), add[1]);
             const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* 32 bf16, columns in order */
             const int64_t at = (y_row + done) * n_len + n0;
             if (fp32_out) {
                 float *out = static_cast<float *>(y) + at;
-                const __m512 lo32 = widen_bf16(_mm512_castsi512_si256(h));
-                const __m512 hi32 = widen_bf16(_mm512_extracti64x4_epi64(h, 1));
-                _mm512_mask_storeu_ps(out, (__mmask16)mask, lo32);
-                _mm512_mask_storeu_ps(out + 16, (__mmask16)(mask >> 16), hi32);
-            } else if (stream && width == 32) {
+                _mm512_mask_storeu_ps(out, mask[0], widen_bf16(_mm512_castsi512_si256(h)));
+                _mm512_mask_storeu_ps(out + 16, mask[1], widen_bf16(_mm512_extracti64x4_epi64(h, 1)));
+            } else if (stream && both == 0xffffffffu) {
                 _mm512_stream_si512(reinterpret_cast<__m512i *>(static_cast<uint16_t *>(y) + at), h);
             } else {
-                _mm512_mask_storeu_epi16(static_cast<uint16_t *>(y) + at, mask, h);
+                _mm512_mask_storeu_epi16(static_cast<uint16_t *>(y) + at, both, h);
             }
         }
     }
@@ -503,23 +509,18 @@ void gemm_pairs_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias
         for (int64_t m0 = row_begin; m0 < row_end; m0 += PAIRS_ROW_CHUNK)
             for (int64_t p = panel_begin; p < panel_end; p++) {
                 const int64_t n0 = p * PANEL;
-                const int width = (int)std::min<int64_t>(PANEL, n_len - n0);
+                __mmask16 mask[2];
                 __m512 add[2];
-                for (int j = 0; j < 2; j++) {
-                    const int w16 = std::max(0, std::min(16, width - 16 * j));
-                    const __mmask16 mask = (__mmask16)((1u << w16) - 1);
-                    add[j] = _mm512_setzero_ps();
-                    if (bias) add[j] = widen_bf16(_mm256_maskz_loadu_epi16(mask, bias + n0 + 16 * j));
-                }
+                panel_columns(bias, n0, n_len, mask, add);
                 for (int64_t r = m0; r < std::min(row_end, m0 + PAIRS_ROW_CHUNK); r += PAIRS_BLOCK_ROWS) {
                     const bool in_place = r < full;
                     pairs_block(in_place ? x + r * x_stride : reinterpret_cast<const uint16_t *>(tail.get()),
                                 in_place ? x_stride : k_len, w + p * k_len * PANEL, k_len, pending, y, n_len,
                                 fp32_out, stream);
                     store_results(4, pending.tiles);
-                    pending.y_row = r, pending.n0 = n0, pending.width = width, pending.done = 0;
+                    pending.y_row = r, pending.n0 = n0, pending.done = 0;
                     pending.rows = (int)std::min<int64_t>(PAIRS_BLOCK_ROWS, rows - r);
-                    pending.bias[0] = add[0], pending.bias[1] = add[1];
+                    for (int j = 0; j < 2; j++) pending.mask[j] = mask[j], pending.add[j] = add[j];
                 }
             }
         pending.write(y, n_len, fp32_out, stream, PAIRS_BLOCK_ROWS);
