@@ -136,10 +136,7 @@ def kernels_built_with(flags: tuple[str, ...]) -> Iterator[None]:
     def load(dtype: torch.dtype, group: int, head_dim: int, extra_flags: tuple[str, ...] = ()):
         return load_decode_kernel(dtype, group, head_dim, (*extra_flags, *flags))
 
-    with (
-        mock.patch("vmkv.dense.plan.load_decode_kernel", load),
-        mock.patch("vmkv.paging.attention.load_decode_kernel", load),
-    ):
+    with mock.patch("vmkv.decode_kernel.load_decode_kernel", load):
         yield
 
 
