@@ -368,3 +368,55 @@ def test_only_avx512_bf16_builds_on_amx_cpus_get_the_tile_gemm(monkeypatch: pyte
         for isa in ("avx512_bf16", "avx2"):
             flags = gemv_kernel._build_flags(isa)
             assert ("-mamx-tile" in flags) is (amx and isa == "avx512_bf16")
+
+
+def _gated_expected(y: torch.Tensor) -> torch.Tensor:
+    """What the model computes from a gate/up linear's output: SiLU of the gate half in inductor's
+    form (x / (1 + e^-x)) rounded, times the up half, rounded."""
+    gate, up = y.float().chunk(2, dim=-1)
+    return ((gate / (1 + (-gate).exp())).to(y.dtype).float() * up).to(y.dtype)
+
+
+@pytest.mark.parametrize("packing", ["fp32", "onednn", "pairs"])
+@pytest.mark.parametrize("rows", [1, 7, 17, 33, 600])  # the GEMV, the tile GEMM, by panels, by rows
+@pytest.mark.parametrize("half", [1536, 40])  # whole 16-column groups (AMX: one GEMM); a partial one
+def test_a_gated_linear_is_silu_of_its_gate_half_times_its_up_half(
+    packing: str, rows: int, half: int
+) -> None:
+    """packed_gated_linear(x, [gate; up]) gives what the model computes from packed_linear's
+    output, but for a rare last bit (its own e^x), with or without a bias, x at any row stride;
+    on AMX builds the rows past the tile GEMM take it in one GEMM."""
+    if packing == "onednn" and not cpu_linear.has_native_half_gemm(torch.bfloat16):
+        pytest.skip("this CPU has no native bf16 GEMM")
+    if packing == "pairs":
+        _pairs_gemm_or_skip()
+    gemv_kernel.register()
+    gen = torch.Generator().manual_seed(rows * half)
+    weight = (torch.randn(2 * half, 576, generator=gen) / 12).to(torch.bfloat16)
+    packed = cpu_linear.pack_weight(weight, packing)
+    x = torch.randn(rows, 2 * 576, generator=gen).to(torch.bfloat16)[:, :576]
+    for bias in (torch.randn(2 * half, generator=gen).to(torch.bfloat16), None):
+        expected = _gated_expected(torch.ops.vmkv.packed_linear(x, weight, packed, bias))
+        got = torch.ops.vmkv.packed_gated_linear(x, weight, packed, bias)
+        assert got.shape == (rows, half) and got.dtype == torch.bfloat16
+        assert (got == expected).float().mean() > 0.999
+        assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=0)
+
+
+def test_a_gated_linear_needs_a_weight_of_two_halves() -> None:
+    gemv_kernel.register()
+    weight = torch.zeros(41, 64, dtype=torch.bfloat16)
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="even number"):
+        torch.ops.vmkv.packed_gated_linear(x, weight, cpu_linear.pack_weight(weight, "fp32"), None)
+    with pytest.raises(ValueError, match="even number"):
+        gemv_kernel._python_gated(x, weight, weight, None)
+
+
+def test_python_fallback_computes_gated_linears() -> None:
+    """Where the C++ operator is missing, its Python stand-in gives the gated linear's values."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(80, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    got = gemv_kernel._python_gated(x, weight, gemv_kernel.in_pairs(weight), None)
+    assert torch.equal(got, _gated_expected(torch.nn.functional.linear(x, weight)))

@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from vmkv.engine import gemv_kernel
 from vmkv.engine.attention_hook import step_context
+from vmkv.engine.gated_fusion import FuseGatedLinears
 from vmkv.engine.rotary_hook import route_rotary_embedding
 
 if TYPE_CHECKING:
@@ -101,6 +103,9 @@ def compile_decoder(decoder: torch.nn.Module, device: torch.device) -> Callable[
     """Compile `decoder` and run the warm-up forwards; None (with a warning naming the cause)
     if torch.compile cannot handle it, so the caller keeps the eager decoder."""
     options = CPU_COMPILE_OPTIONS if device.type == "cpu" else COMPILE_OPTIONS
+    bf16 = next(decoder.parameters()).dtype == torch.bfloat16
+    if device.type == "cpu" and bf16 and gemv_kernel.gated_gemm():
+        options = {**options, "post_grad_custom_post_pass": FuseGatedLinears()}
     route_rotary_embedding(decoder)  # cos/sin once per forward, not in every layer's kernel
     compiled = torch.compile(
         _entry_point(decoder), dynamic=True, options={**options, "guard_filter_fn": _input_guards}

@@ -76,6 +76,8 @@ def _row_limit(isa: str) -> int:
 
 SCHEMA = "packed_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor"
 LOGITS_SCHEMA = "packed_logits(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor"  # fp32 out
+# silu(gate) * up of a [gate; up] weight's output halves (cpu_linear.py's gate/up groups)
+GATED_SCHEMA = "packed_gated_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor"
 _FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared")
 # the GEMV's instructions: vdpbf16ps on bf16 pairs, or AVX2 FMAs on weights widened in registers
 _ISA_FLAGS = {
@@ -262,6 +264,52 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
     });
 }
 
+/* e^x in 16 lanes, within ~1 ulp: 2^n e^r, n = round(x log2(e)), |r| <= ln(2) / 2 (Cephes' expf
+   polynomial); 0 below -104 and infinity above 89, as expf gives. */
+inline __m512 exp_ps(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    const __m512 e = _mm512_scalef_ps(p, n);
+    const __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.f), _CMP_LT_OQ);
+    const __mmask16 high = _mm512_cmp_ps_mask(x, _mm512_set1_ps(89.f), _CMP_GT_OQ);
+    return _mm512_mask_blend_ps(high, _mm512_mask_blend_ps(low, e, _mm512_setzero_ps()),
+                                _mm512_set1_ps(__builtin_inff()));
+}
+
+inline __m512 round_bf16(__m512 v) { return widen_bf16((__m256i)_mm512_cvtneps_pbh(v)); }
+
+/* silu(g) * u from fp32 sums, rounded to bf16 where the model's ops round: g and u (the linear's
+   outputs), silu(g) = g / (1 + e^-g) (inductor's form of it), and the product. */
+inline __m256i silu_times(__m512 g, __m512 u) {
+    g = round_bf16(g);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 s = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, round_bf16(u)));
+}
+
+/* out [rows, half] = silu_times of y [rows, 2 * half]'s halves (y contiguous bf16). */
+void gated_halves(const uint16_t *y, uint16_t *out, int64_t rows, int64_t half) {
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t m = begin; m < end; m++)
+            for (int64_t c = 0; c < half; c += 16) {
+                const __mmask16 mask = (__mmask16)((1u << std::min<int64_t>(half - c, 16)) - 1);
+                const uint16_t *g = y + m * 2 * half + c;
+                const __m512 gv = widen_bf16(_mm256_maskz_loadu_epi16(mask, g));
+                const __m512 uv = widen_bf16(_mm256_maskz_loadu_epi16(mask, g + half));
+                _mm256_mask_storeu_epi16(out + m * half + c, mask, silu_times(gv, uv));
+            }
+    });
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* The tile GEMM, for the rows between the GEMV's and the packed GEMM's (AMX builds): small decode
    batches. It computes y^T = W x^T on the tile unit, so the weight is the row-major A
@@ -435,13 +483,49 @@ constexpr int64_t PAIRS_ROW_CHUNK = 256; /* rows per pass over a thread's panels
 constexpr int64_t PAIRS_SPLIT_ROWS = 512;
 constexpr int64_t STREAM_BYTES = 4 << 20;
 
-/* A finished block's 2 x 2 result tiles ([x rows 0-15 | 16-31][columns 0-15 | 16-31]), written
-   a few rows at a time as y's panel columns from n0 (panel_columns' mask and add) of `rows` rows
-   from y_row. */
+/* Where a block's two 16-column B tiles come from and what its results become: one panel of
+   y's columns (its halves), or for a gated linear the gate and the up columns of y's 16
+   columns from n0 (silu(gate) * up). mask and add: the tiles' columns that exist, and their bias. */
+struct BlockColumns {
+    const uint16_t *b_lo, *b_hi;
+    int64_t n0;
+    __mmask16 mask[2];
+    __m512 add[2];
+};
+
+/* The columns of block `unit` of w in pairs: panel `unit`, or for a gated linear (w = [gate; up],
+   n_len = its output's width, a multiple of 16) the half panels holding gate and up columns
+   16 * unit on. */
+inline BlockColumns block_columns(const uint16_t *w, const uint16_t *bias, int64_t unit, int64_t n_len,
+                                  int64_t k_len, bool gated) {
+    BlockColumns c;
+    if (!gated) {
+        c.n0 = unit * PANEL;
+        c.b_lo = w + unit * k_len * PANEL;
+        c.b_hi = c.b_lo + 32;
+        panel_columns(bias, c.n0, n_len, c.mask, c.add);
+        return c;
+    }
+    c.n0 = 16 * unit;
+    const int64_t column[2] = {c.n0, n_len + c.n0}; /* of gate, of up */
+    const uint16_t *half_panel[2];
+    for (int j = 0; j < 2; j++) {
+        half_panel[j] = w + column[j] / PANEL * k_len * PANEL + column[j] % PANEL * 2;
+        c.mask[j] = 0xffff;
+        c.add[j] = bias ? widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(bias + column[j])))
+                        : _mm512_setzero_ps();
+    }
+    c.b_lo = half_panel[0], c.b_hi = half_panel[1];
+    return c;
+}
+
+/* A finished block's 2 x 2 result tiles ([x rows 0-15 | 16-31][B tile lo | hi]), written a few
+   rows at a time as y's columns from n0 (BlockColumns) of `rows` rows from y_row. */
 struct PendingRows {
     alignas(64) float tiles[4][16][16];
     int64_t y_row = 0, n0 = 0;
     int rows = 0, done = 0;
+    bool gated = false;
     __mmask16 mask[2];
     __m512 add[2];
 
@@ -451,8 +535,13 @@ struct PendingRows {
             const int half = done / 16 * 2, r = done % 16;
             const __m512 lo = _mm512_add_ps(_mm512_load_ps(tiles[half][r]), add[0]);
             const __m512 hi = _mm512_add_ps(_mm512_load_ps(tiles[half + 1][r]), add[1]);
-            const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* 32 bf16, columns in order */
             const int64_t at = (y_row + done) * n_len + n0;
+            if (gated) {
+                _mm256_storeu_si256(reinterpret_cast<__m256i *>(static_cast<uint16_t *>(y) + at),
+                                    silu_times(lo, hi));
+                continue;
+            }
+            const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* 32 bf16, columns in order */
             if (fp32_out) {
                 float *out = static_cast<float *>(y) + at;
                 _mm512_mask_storeu_ps(out, mask[0], widen_bf16(_mm512_castsi512_si256(h)));
@@ -466,17 +555,16 @@ struct PendingRows {
     }
 };
 
-/* 32 rows of x (row stride x_stride) against a panel into result tiles 0-3, writing `pending`'s
-   rows as the products run. */
-void pairs_block(const uint16_t *x, int64_t x_stride, const uint16_t *panel, int64_t k_len,
-                 PendingRows &pending, void *y, int64_t n_len, bool fp32_out, bool stream) {
+/* 32 rows of x (row stride x_stride) against two 16-column B tiles of pairs (b_lo, b_hi: rows 128
+   bytes apart, as in a panel) into result tiles 0-3, writing `pending`'s rows as the products run. */
+void pairs_block(const uint16_t *x, int64_t x_stride, const uint16_t *b_lo, const uint16_t *b_hi,
+                 int64_t k_len, PendingRows &pending, void *y, int64_t n_len, bool fp32_out, bool stream) {
     const int64_t steps = k_len / 32;
     const int per_step = (int)((pending.rows + steps - 1) / steps);
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t s = 0; s < steps; s++) {
-        const uint16_t *b = panel + s * 32 * PANEL;
-        _tile_loadd(4, b, 2 * PANEL * 2);
-        _tile_loadd(5, b + 32, 2 * PANEL * 2);
+        _tile_loadd(4, b_lo + s * 32 * PANEL, 2 * PANEL * 2);
+        _tile_loadd(5, b_hi + s * 32 * PANEL, 2 * PANEL * 2);
         _tile_loadd(6, x + s * 32, x_stride * 2);
         _tile_dpbf16ps(0, 6, 4);
         _tile_dpbf16ps(1, 6, 5);
@@ -488,10 +576,13 @@ void pairs_block(const uint16_t *x, int64_t x_stride, const uint16_t *panel, int
     pending.write(y, n_len, fp32_out, stream, PAIRS_BLOCK_ROWS);
 }
 
-/* gemm_pairs on the tile unit: the same arguments, k_len a multiple of 32. */
+/* gemm_pairs on the tile unit: the same arguments, k_len a multiple of 32. gated: w is [gate; up]
+   and y [rows, n_len] gets silu(gate) * up (silu_times; n_len a multiple of 16, bf16 out): the
+   model's MLP activation in the GEMM's writes, so the 2 x n_len sums never reach memory. */
 void gemm_pairs_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *y, bool fp32_out,
-                      int64_t rows, int64_t n_len, int64_t k_len, int64_t x_stride) {
-    const int64_t panels = (n_len + PANEL - 1) / PANEL, full = rows / PAIRS_BLOCK_ROWS * PAIRS_BLOCK_ROWS;
+                      int64_t rows, int64_t n_len, int64_t k_len, int64_t x_stride, bool gated) {
+    const int64_t panels = gated ? n_len / 16 : (n_len + PANEL - 1) / PANEL;
+    const int64_t full = rows / PAIRS_BLOCK_ROWS * PAIRS_BLOCK_ROWS;
     std::unique_ptr<__m512i[]> tail; /* the last rows, zero padded to a block, 64-byte aligned */
     if (rows > full) {
         tail.reset(new __m512i[PAIRS_BLOCK_ROWS * k_len / 32]());
@@ -499,28 +590,26 @@ void gemm_pairs_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias
         for (int64_t r = full; r < rows; r++)
             memcpy(padded + (r - full) * k_len, x + r * x_stride, k_len * 2);
     }
-    const bool stream = !fp32_out && n_len % PANEL == 0 && rows * n_len * 2 > STREAM_BYTES;
+    const bool stream = !gated && !fp32_out && n_len % PANEL == 0 && rows * n_len * 2 > STREAM_BYTES;
     auto run = [&](int64_t row_begin, int64_t row_end, int64_t panel_begin, int64_t panel_end) {
         TileConfig cfg, saved; /* the thread's tile configuration (oneDNN's), restored after */
         _tile_storeconfig(&saved);
         tile_config(&cfg);
         _tile_loadconfig(&cfg);
         PendingRows pending;
+        pending.gated = gated;
         for (int64_t m0 = row_begin; m0 < row_end; m0 += PAIRS_ROW_CHUNK)
             for (int64_t p = panel_begin; p < panel_end; p++) {
-                const int64_t n0 = p * PANEL;
-                __mmask16 mask[2];
-                __m512 add[2];
-                panel_columns(bias, n0, n_len, mask, add);
+                const BlockColumns c = block_columns(w, bias, p, n_len, k_len, gated);
                 for (int64_t r = m0; r < std::min(row_end, m0 + PAIRS_ROW_CHUNK); r += PAIRS_BLOCK_ROWS) {
                     const bool in_place = r < full;
-                    pairs_block(in_place ? x + r * x_stride : reinterpret_cast<const uint16_t *>(tail.get()),
-                                in_place ? x_stride : k_len, w + p * k_len * PANEL, k_len, pending, y, n_len,
+                    const uint16_t *rows_x = in_place ? x + r * x_stride : (const uint16_t *)tail.get();
+                    pairs_block(rows_x, in_place ? x_stride : k_len, c.b_lo, c.b_hi, k_len, pending, y, n_len,
                                 fp32_out, stream);
                     store_results(4, pending.tiles);
-                    pending.y_row = r, pending.n0 = n0, pending.done = 0;
+                    pending.y_row = r, pending.n0 = c.n0, pending.done = 0;
                     pending.rows = (int)std::min<int64_t>(PAIRS_BLOCK_ROWS, rows - r);
-                    for (int j = 0; j < 2; j++) pending.mask[j] = mask[j], pending.add[j] = add[j];
+                    for (int j = 0; j < 2; j++) pending.mask[j] = c.mask[j], pending.add[j] = c.add[j];
                 }
             }
         pending.write(y, n_len, fp32_out, stream, PAIRS_BLOCK_ROWS);
@@ -673,9 +762,10 @@ bool tiles_take(const at::Tensor &x, const at::Tensor &weight, const at::Tensor 
 }
 
 /* x [..., K] @ w.T (+ bias) with w in pairs [ceil(N / PANEL), K / 2, PANEL, 2] (cpu_linear.py packs
-   it only where this build has the kernel: AVX512-BF16). */
+   it only where this build has the kernel: AVX512-BF16); gated (tile unit only): silu(gate) * up
+   of its halves, [..., N / 2]. */
 at::Tensor pairs_linear(const at::Tensor &x, const at::Tensor &packed, const OptionalTensor &bias,
-                        int64_t n_len, bool fp32_out) {
+                        int64_t n_len, bool fp32_out, bool gated = false) {
 #if defined(__AVX512BF16__)
     const int64_t k_len = x.size(-1);
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
@@ -687,8 +777,9 @@ at::Tensor pairs_linear(const at::Tensor &x, const at::Tensor &packed, const Opt
     at::Tensor rows = x.reshape({-1, k_len});
     if (rows.stride(1) != 1) rows = rows.contiguous();
     const at::Tensor w = packed.contiguous();
+    const int64_t out_len = gated ? n_len / 2 : n_len;
     std::vector<int64_t> sizes = x.sizes().vec();
-    sizes.back() = n_len;
+    sizes.back() = out_len;
     at::Tensor out = at::empty(sizes, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16)
                                           .memory_format(at::MemoryFormat::Contiguous));
     if (rows.size(0) == 0) return out;
@@ -698,10 +789,12 @@ at::Tensor pairs_linear(const at::Tensor &x, const at::Tensor &packed, const Opt
     const int64_t x_stride = rows.size(0) > 1 ? rows.stride(0) : k_len;
 #ifdef HAVE_TILE_GEMM
     if (k_len % 32 == 0 && amx_usable()) {
-        gemm_pairs_tiles(xp, wp, bp, out.mutable_data_ptr(), fp32_out, rows.size(0), n_len, k_len, x_stride);
+        gemm_pairs_tiles(xp, wp, bp, out.mutable_data_ptr(), fp32_out, rows.size(0), out_len, k_len, x_stride,
+                         gated);
         return out;
     }
 #endif
+    TORCH_CHECK(!gated, "a gated linear in one GEMM needs the tile unit");
     gemm_pairs(xp, wp, bp, out.mutable_data_ptr(), fp32_out, rows.size(0), n_len, k_len, x_stride);
     return out;
 #else
@@ -753,6 +846,43 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &weight, const at
     return out;
 }
 
+/* Whether packed_gated_linear runs as one GEMM: weights in pairs, on the tile unit, for the rows
+   that reach the GEMM on pairs. */
+bool gated_in_one_gemm(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
+                       const OptionalTensor &bias) {
+#ifdef HAVE_TILE_GEMM
+    return packed.dim() == 4 && weight.size(0) % 32 == 0 && x.size(-1) % 32 == 0 && amx_usable() &&
+           !reads_in_place(x, weight, packed, bias);
+#else
+    return false;
+#endif
+}
+
+/* silu(x @ gate.T + b_gate) * (x @ up.T + b_up) for weight = [gate; up] (an MLP's gate and up
+   linears, grouped as cpu_linear.py groups them), each value rounded where the model's own ops
+   round it (silu_times). Compiled models reach it through gated_fusion.py. */
+at::Tensor packed_gated_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
+                               const OptionalTensor &bias) {
+    const int64_t n_len = weight.size(0), half = n_len / 2;
+    TORCH_CHECK_VALUE(n_len % 2 == 0, "a gated linear's weight stacks its gate's and its up's rows: an even ",
+                      "number of them, got ", n_len);
+    if (gated_in_one_gemm(x, weight, packed, bias)) return pairs_linear(x, packed, bias, n_len, false, true);
+    const at::Tensor y = packed_linear(x, weight, packed, bias).contiguous();
+#if defined(__AVX512BF16__)
+    if (y.scalar_type() == at::kBFloat16) {
+        std::vector<int64_t> sizes = y.sizes().vec();
+        sizes.back() = half;
+        at::Tensor out = at::empty(sizes, y.options());
+        gated_halves(static_cast<const uint16_t *>(y.const_data_ptr()),
+                     static_cast<uint16_t *>(out.mutable_data_ptr()), y.numel() / n_len, half);
+        return out;
+    }
+#endif
+    const at::Tensor gate = y.narrow(-1, 0, half).to(at::kFloat);
+    const at::Tensor silu = gate.div(gate.neg().exp().add(1)).to(y.scalar_type());
+    return silu.to(at::kFloat).mul(y.narrow(-1, half, half).to(at::kFloat)).to(y.scalar_type());
+}
+
 /* packed_linear's values as fp32, for logits. The fp32 GEMM's output is rounded in place rather
    than converted to bf16 and back: for the default model's [64, 49152] logits in a decode step
    on a 2-core AVX2 EPYC those two conversions took ~4 ms each (torch.profiler). */
@@ -774,13 +904,16 @@ at::Tensor packed_logits(const at::Tensor &x, const at::Tensor &weight, const at
 TORCH_LIBRARY_FRAGMENT(vmkv, m) {
     m.def("SCHEMA");
     m.def("LOGITS_SCHEMA");
+    m.def("GATED_SCHEMA");
 }
 TORCH_LIBRARY_IMPL(vmkv, CompositeExplicitAutograd, m) {
     m.impl("packed_linear", &packed_linear);
     m.impl("packed_logits", &packed_logits);
+    m.impl("packed_gated_linear", &packed_gated_linear);
 }
 """
-SOURCE = SOURCE.replace("LOGITS_SCHEMA", LOGITS_SCHEMA).replace("SCHEMA", SCHEMA)
+SOURCE = SOURCE.replace("LOGITS_SCHEMA", LOGITS_SCHEMA).replace("GATED_SCHEMA", GATED_SCHEMA)
+SOURCE = SOURCE.replace("SCHEMA", SCHEMA)
 
 
 _LIBRARIES: list[torch.library.Library] = []
@@ -796,11 +929,14 @@ def register() -> bool:
         library = torch.library.Library("vmkv", "FRAGMENT")
         library.define(SCHEMA)
         library.define(LOGITS_SCHEMA)
+        library.define(GATED_SCHEMA)
         library.impl("packed_linear", _python_linear, "CompositeExplicitAutograd")
         library.impl("packed_logits", _python_logits, "CompositeExplicitAutograd")
+        library.impl("packed_gated_linear", _python_gated, "CompositeExplicitAutograd")
         _LIBRARIES.append(library)  # the registration lives as long as the Library object
     torch.library.register_fake("vmkv::packed_linear")(_fake)
     torch.library.register_fake("vmkv::packed_logits")(_fake_logits)
+    torch.library.register_fake("vmkv::packed_gated_linear")(_fake_gated)
     return native
 
 
@@ -828,6 +964,12 @@ def tile_max_rows() -> int:
     the tiles), else 0."""
     isa = gemv_isa()
     return TILE_MAX_ROWS if isa is not None and _has_tiles(isa) and register() else 0
+
+
+def gated_gemm() -> bool:
+    """Whether `vmkv::packed_gated_linear` computes a bf16 gate/up linear and its activation in one
+    GEMM here (the GEMM on pairs on the tile unit: AMX builds), so that fusing them pays."""
+    return tile_max_rows() > 0 and pairs_gemm()
 
 
 def max_rows() -> int:
@@ -874,6 +1016,25 @@ def _fake_logits(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
+def _python_gated(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    if weight.shape[0] % 2:
+        rows = weight.shape[0]
+        raise ValueError(
+            f"a gated linear's weight stacks its gate's and its up's rows: an even number, got {rows}"
+        )
+    gate, up = _python_linear(x, weight, packed, bias).float().chunk(2, dim=-1)
+    return ((gate / (1 + (-gate).exp())).to(x.dtype).float() * up).to(x.dtype)
+
+
+def _fake_gated(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    torch._check(weight.shape[0] % 2 == 0, lambda: "a gated linear's weight needs an even number of rows")
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
 
 def _load_native(isa: str) -> bool:
