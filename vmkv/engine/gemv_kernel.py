@@ -1,6 +1,8 @@
 """`vmkv::packed_linear`, a half-precision CPU linear as one C++ torch operator, with a bf16
 matrix-vector kernel for decode steps of a few rows and a bf16 GEMM on weights in pairs (and
-`vmkv::packed_logits`, the same values as fp32, for the vocabulary projection).
+`vmkv::packed_logits`, the same values as fp32, for the vocabulary projection, and
+`vmkv::packed_gated_linear`, an MLP's stacked gate/up linear with its SiLU-and-multiply written
+by the GEMM on pairs: gated_fusion.py).
 
 At one to a few rows a linear layer is a pass over its weight, so its speed is the memory
 bandwidth it reaches. The kernel streams the original row-major bf16 weight once, one row at
@@ -167,14 +169,15 @@ inline void block_dots_upto(int64_t rows, const uint16_t *x, int64_t x_stride, c
 constexpr int64_t PANEL = 32;
 constexpr int PANEL_ROWS = 12;
 
-/* Rows [0, R) of x against one panel: out[r][c] = sum_k x[r, k] * w[c, k] (fp32). */
+/* Rows [0, R) of x against two 16-column halves of pairs (lo, hi; a panel's are panel and
+   panel + 32): acc[r][j] = sum_k x[r, k] * w[column of half j, k] (fp32). */
 template <int R>
-inline void panel_block(const uint16_t *x, int64_t x_stride, const uint16_t *panel, int64_t pairs,
-                        __m512 acc[][2]) {
+inline void panel_block(const uint16_t *x, int64_t x_stride, const uint16_t *lo, const uint16_t *hi,
+                        int64_t pairs, __m512 acc[][2]) {
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL);
-        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL + 32);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(lo + p * 2 * PANEL);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(hi + p * 2 * PANEL);
         for (int r = 0; r < R; r++) {
             int32_t pair;
             memcpy(&pair, x + r * x_stride + 2 * p, sizeof pair);
@@ -186,11 +189,11 @@ inline void panel_block(const uint16_t *x, int64_t x_stride, const uint16_t *pan
 }
 
 template <int R>
-inline void panel_block_upto(int rows, const uint16_t *x, int64_t x_stride, const uint16_t *panel,
-                             int64_t pairs, __m512 acc[][2]) {
+inline void panel_block_upto(int rows, const uint16_t *x, int64_t x_stride, const uint16_t *lo,
+                             const uint16_t *hi, int64_t pairs, __m512 acc[][2]) {
     if constexpr (R > 1)
-        if (rows < R) return panel_block_upto<R - 1>(rows, x, x_stride, panel, pairs, acc);
-    panel_block<R>(x, x_stride, panel, pairs, acc);
+        if (rows < R) return panel_block_upto<R - 1>(rows, x, x_stride, lo, hi, pairs, acc);
+    panel_block<R>(x, x_stride, lo, hi, pairs, acc);
 }
 
 /* 16 bf16 values as fp32 (a bf16 is the high half of its fp32). */
@@ -217,51 +220,6 @@ inline void panel_columns(const uint16_t *bias, int64_t n0, int64_t n_len, __mma
         add[j] = _mm512_setzero_ps();
         if (bias) add[j] = widen_bf16(_mm256_maskz_loadu_epi16(mask[j], bias + c0));
     }
-}
-
-/* y = x @ w.T + bias, rounded once to bf16; stored as bf16, or as those values in fp32 (logits).
-   x [rows, k] with row stride x_stride, k even; w in pairs for n columns. */
-void gemm_pairs(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *y, bool fp32_out,
-                int64_t rows, int64_t n_len, int64_t k_len, int64_t x_stride) {
-    const int64_t pairs = k_len / 2, panels = (n_len + PANEL - 1) / PANEL;
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t b = begin; b < end; b++) {
-            const uint16_t *panel = w + b * pairs * 2 * PANEL;
-            const int64_t n0 = b * PANEL;
-            __m512 add[2];
-            __mmask16 mask[2];
-            panel_columns(bias, n0, n_len, mask, add);
-            for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROWS) {
-                const int block = rows - r0 < PANEL_ROWS ? (int)(rows - r0) : PANEL_ROWS;
-                __m512 acc[PANEL_ROWS][2];
-                panel_block_upto<PANEL_ROWS>(block, x + r0 * x_stride, x_stride, panel, pairs, acc);
-                for (int r = 0; r < block; r++)
-                    for (int j = 0; j < 2; j++)
-                        store_sums(y, fp32_out, (r0 + r) * n_len + n0 + 16 * j, mask[j], acc[r][j], add[j]);
-            }
-        }
-    });
-}
-
-/* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for m < rows <= MAX_ROWS; w row-major [n_len, k_len]. */
-void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t rows,
-               int64_t n_len, int64_t k_len, int64_t x_stride) {
-    at::parallel_for(0, (n_len + BLOCK - 1) / BLOCK, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t block = begin; block < end; block++) {
-            const int64_t n0 = block * BLOCK;
-            const int64_t width = n_len - n0 < BLOCK ? n_len - n0 : BLOCK;
-            const __mmask16 mask = (__mmask16)((1u << width) - 1);
-            const uint16_t *wb = w + n0 * k_len;
-            float sums[MAX_ROWS][BLOCK] = {};
-            block_dots_upto<MAX_ROWS>(rows, x, x_stride, wb, k_len, width, sums);
-            __m512 b = _mm512_setzero_ps();
-            if (bias) b = widen_bf16(_mm256_maskz_loadu_epi16(mask, bias + n0));
-            for (int64_t m = 0; m < rows; m++) {
-                const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums[m]), b);
-                _mm256_mask_storeu_epi16(y + m * n_len + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
-            }
-        }
-    });
 }
 
 /* e^x in 16 lanes, within ~1 ulp: 2^n e^r, n = round(x log2(e)), |r| <= ln(2) / 2 (Cephes' expf
@@ -307,6 +265,94 @@ void gated_halves(const uint16_t *y, uint16_t *out, int64_t rows, int64_t half) 
                 const __m512 uv = widen_bf16(_mm256_maskz_loadu_epi16(mask, g + half));
                 _mm256_mask_storeu_epi16(out + m * half + c, mask, silu_times(gv, uv));
             }
+    });
+}
+
+/* Where a block's two 16-column halves of pairs come from (word streams whose k pairs are
+   2 * PANEL words apart, as in a panel) and what its sums become: one panel of y's columns, or
+   for a gated linear the gate and the up columns of y's 16 columns from n0 (silu(gate) * up).
+   mask and add: the halves' columns that exist, and their bias. */
+struct BlockColumns {
+    const uint16_t *b_lo, *b_hi;
+    int64_t n0;
+    __mmask16 mask[2];
+    __m512 add[2];
+};
+
+/* The columns of block `unit` of w in pairs: panel `unit`, or for a gated linear (w = [gate; up],
+   n_len = its output's width, a multiple of 16) the half panels holding gate and up columns
+   16 * unit on. */
+inline BlockColumns block_columns(const uint16_t *w, const uint16_t *bias, int64_t unit, int64_t n_len,
+                                  int64_t k_len, bool gated) {
+    BlockColumns c;
+    if (!gated) {
+        c.n0 = unit * PANEL;
+        c.b_lo = w + unit * k_len * PANEL;
+        c.b_hi = c.b_lo + 32;
+        panel_columns(bias, c.n0, n_len, c.mask, c.add);
+        return c;
+    }
+    c.n0 = 16 * unit;
+    const int64_t column[2] = {c.n0, n_len + c.n0}; /* of gate, of up */
+    const uint16_t *half_panel[2];
+    for (int j = 0; j < 2; j++) {
+        half_panel[j] = w + column[j] / PANEL * k_len * PANEL + column[j] % PANEL * 2;
+        c.mask[j] = 0xffff;
+        c.add[j] = bias ? widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(bias + column[j])))
+                        : _mm512_setzero_ps();
+    }
+    c.b_lo = half_panel[0], c.b_hi = half_panel[1];
+    return c;
+}
+
+/* y = x @ w.T + bias, rounded once to bf16; stored as bf16, or as those values in fp32 (logits).
+   x [rows, k] with row stride x_stride, k even; w in pairs for n columns. gated: w is [gate; up]
+   and y [rows, n_len] gets silu(gate) * up (silu_times; n_len a multiple of 16, bf16 out). */
+void gemm_pairs(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *y, bool fp32_out,
+                int64_t rows, int64_t n_len, int64_t k_len, int64_t x_stride, bool gated) {
+    const int64_t pairs = k_len / 2, units = gated ? n_len / 16 : (n_len + PANEL - 1) / PANEL;
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; b++) {
+            const BlockColumns c = block_columns(w, bias, b, n_len, k_len, gated);
+            for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROWS) {
+                const int block = rows - r0 < PANEL_ROWS ? (int)(rows - r0) : PANEL_ROWS;
+                __m512 acc[PANEL_ROWS][2];
+                panel_block_upto<PANEL_ROWS>(block, x + r0 * x_stride, x_stride, c.b_lo, c.b_hi, pairs, acc);
+                for (int r = 0; r < block; r++) {
+                    const int64_t at = (r0 + r) * n_len + c.n0;
+                    if (gated) {
+                        const __m512 gate = _mm512_add_ps(acc[r][0], c.add[0]);
+                        const __m512 up = _mm512_add_ps(acc[r][1], c.add[1]);
+                        _mm256_storeu_si256(reinterpret_cast<__m256i *>(static_cast<uint16_t *>(y) + at),
+                                            silu_times(gate, up));
+                        continue;
+                    }
+                    for (int j = 0; j < 2; j++)
+                        store_sums(y, fp32_out, at + 16 * j, c.mask[j], acc[r][j], c.add[j]);
+                }
+            }
+        }
+    });
+}
+
+/* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for m < rows <= MAX_ROWS; w row-major [n_len, k_len]. */
+void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t rows,
+               int64_t n_len, int64_t k_len, int64_t x_stride) {
+    at::parallel_for(0, (n_len + BLOCK - 1) / BLOCK, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t block = begin; block < end; block++) {
+            const int64_t n0 = block * BLOCK;
+            const int64_t width = n_len - n0 < BLOCK ? n_len - n0 : BLOCK;
+            const __mmask16 mask = (__mmask16)((1u << width) - 1);
+            const uint16_t *wb = w + n0 * k_len;
+            float sums[MAX_ROWS][BLOCK] = {};
+            block_dots_upto<MAX_ROWS>(rows, x, x_stride, wb, k_len, width, sums);
+            __m512 b = _mm512_setzero_ps();
+            if (bias) b = widen_bf16(_mm256_maskz_loadu_epi16(mask, bias + n0));
+            for (int64_t m = 0; m < rows; m++) {
+                const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums[m]), b);
+                _mm256_mask_storeu_epi16(y + m * n_len + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+            }
+        }
     });
 }
 
@@ -482,42 +528,6 @@ constexpr int64_t PAIRS_BLOCK_ROWS = 32;
 constexpr int64_t PAIRS_ROW_CHUNK = 256; /* rows per pass over a thread's panels: x's chunk stays in L2 */
 constexpr int64_t PAIRS_SPLIT_ROWS = 512;
 constexpr int64_t STREAM_BYTES = 4 << 20;
-
-/* Where a block's two 16-column B tiles come from and what its results become: one panel of
-   y's columns (its halves), or for a gated linear the gate and the up columns of y's 16
-   columns from n0 (silu(gate) * up). mask and add: the tiles' columns that exist, and their bias. */
-struct BlockColumns {
-    const uint16_t *b_lo, *b_hi;
-    int64_t n0;
-    __mmask16 mask[2];
-    __m512 add[2];
-};
-
-/* The columns of block `unit` of w in pairs: panel `unit`, or for a gated linear (w = [gate; up],
-   n_len = its output's width, a multiple of 16) the half panels holding gate and up columns
-   16 * unit on. */
-inline BlockColumns block_columns(const uint16_t *w, const uint16_t *bias, int64_t unit, int64_t n_len,
-                                  int64_t k_len, bool gated) {
-    BlockColumns c;
-    if (!gated) {
-        c.n0 = unit * PANEL;
-        c.b_lo = w + unit * k_len * PANEL;
-        c.b_hi = c.b_lo + 32;
-        panel_columns(bias, c.n0, n_len, c.mask, c.add);
-        return c;
-    }
-    c.n0 = 16 * unit;
-    const int64_t column[2] = {c.n0, n_len + c.n0}; /* of gate, of up */
-    const uint16_t *half_panel[2];
-    for (int j = 0; j < 2; j++) {
-        half_panel[j] = w + column[j] / PANEL * k_len * PANEL + column[j] % PANEL * 2;
-        c.mask[j] = 0xffff;
-        c.add[j] = bias ? widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(bias + column[j])))
-                        : _mm512_setzero_ps();
-    }
-    c.b_lo = half_panel[0], c.b_hi = half_panel[1];
-    return c;
-}
 
 /* A finished block's 2 x 2 result tiles ([x rows 0-15 | 16-31][B tile lo | hi]), written a few
    rows at a time as y's columns from n0 (BlockColumns) of `rows` rows from y_row. */
@@ -794,8 +804,7 @@ at::Tensor pairs_linear(const at::Tensor &x, const at::Tensor &packed, const Opt
         return out;
     }
 #endif
-    TORCH_CHECK(!gated, "a gated linear in one GEMM needs the tile unit");
-    gemm_pairs(xp, wp, bp, out.mutable_data_ptr(), fp32_out, rows.size(0), n_len, k_len, x_stride);
+    gemm_pairs(xp, wp, bp, out.mutable_data_ptr(), fp32_out, rows.size(0), out_len, k_len, x_stride, gated);
     return out;
 #else
     TORCH_CHECK(false, "weights in pairs need the AVX512-BF16 build of this operator");
@@ -846,16 +855,11 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &weight, const at
     return out;
 }
 
-/* Whether packed_gated_linear runs as one GEMM: weights in pairs, on the tile unit, for the rows
-   that reach the GEMM on pairs. */
+/* Whether packed_gated_linear runs as one GEMM: weights in pairs, for the rows that reach the GEMM
+   on pairs (every row count without AMX). */
 bool gated_in_one_gemm(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
                        const OptionalTensor &bias) {
-#ifdef HAVE_TILE_GEMM
-    return packed.dim() == 4 && weight.size(0) % 32 == 0 && x.size(-1) % 32 == 0 && amx_usable() &&
-           !reads_in_place(x, weight, packed, bias);
-#else
-    return false;
-#endif
+    return packed.dim() == 4 && weight.size(0) % 32 == 0 && !reads_in_place(x, weight, packed, bias);
 }
 
 /* silu(x @ gate.T + b_gate) * (x @ up.T + b_up) for weight = [gate; up] (an MLP's gate and up
@@ -968,8 +972,9 @@ def tile_max_rows() -> int:
 
 def gated_gemm() -> bool:
     """Whether `vmkv::packed_gated_linear` computes a bf16 gate/up linear and its activation in one
-    GEMM here (the GEMM on pairs on the tile unit: AMX builds), so that fusing them pays."""
-    return tile_max_rows() > 0 and pairs_gemm()
+    GEMM here (the GEMMs on pairs: AVX512-BF16 builds, on the tile unit or `vdpbf16ps`), so that
+    fusing them pays."""
+    return pairs_gemm()
 
 
 def max_rows() -> int:
