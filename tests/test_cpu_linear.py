@@ -403,12 +403,13 @@ def test_a_gated_linear_is_silu_of_its_gate_half_times_its_up_half(
         assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=0)
 
 
-def test_a_gated_linear_needs_a_weight_of_two_halves() -> None:
+@pytest.mark.parametrize("rows", [41, 0])
+def test_a_gated_linear_needs_a_weight_of_two_halves(rows: int) -> None:
     gemv_kernel.register()
-    weight = torch.zeros(41, 64, dtype=torch.bfloat16)
+    weight = torch.zeros(rows, 64, dtype=torch.bfloat16)
     x = torch.zeros(3, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="even number"):
-        torch.ops.vmkv.packed_gated_linear(x, weight, cpu_linear.pack_weight(weight, "fp32"), None)
+        torch.ops.vmkv.packed_gated_linear(x, weight, weight, None)  # checked before `packed` is read
     with pytest.raises(ValueError, match="even number"):
         gemv_kernel._python_gated(x, weight, weight, None)
 

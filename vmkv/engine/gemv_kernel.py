@@ -772,8 +772,8 @@ bool tiles_take(const at::Tensor &x, const at::Tensor &weight, const at::Tensor 
 }
 
 /* x [..., K] @ w.T (+ bias) with w in pairs [ceil(N / PANEL), K / 2, PANEL, 2] (cpu_linear.py packs
-   it only where this build has the kernel: AVX512-BF16); gated (tile unit only): silu(gate) * up
-   of its halves, [..., N / 2]. */
+   it only where this build has the kernel: AVX512-BF16); gated: silu(gate) * up of its halves,
+   [..., N / 2] (N a multiple of 32). */
 at::Tensor pairs_linear(const at::Tensor &x, const at::Tensor &packed, const OptionalTensor &bias,
                         int64_t n_len, bool fp32_out, bool gated = false) {
 #if defined(__AVX512BF16__)
@@ -868,8 +868,8 @@ bool gated_in_one_gemm(const at::Tensor &x, const at::Tensor &weight, const at::
 at::Tensor packed_gated_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
                                const OptionalTensor &bias) {
     const int64_t n_len = weight.size(0), half = n_len / 2;
-    TORCH_CHECK_VALUE(n_len % 2 == 0, "a gated linear's weight stacks its gate's and its up's rows: an even ",
-                      "number of them, got ", n_len);
+    TORCH_CHECK_VALUE(n_len > 0 && n_len % 2 == 0, "a gated linear's weight stacks its gate's and its up's ",
+                      "rows: an even number of them, got ", n_len);
     if (gated_in_one_gemm(x, weight, packed, bias)) return pairs_linear(x, packed, bias, n_len, false, true);
     const at::Tensor y = packed_linear(x, weight, packed, bias).contiguous();
 #if defined(__AVX512BF16__)
@@ -1026,7 +1026,7 @@ def _fake_logits(
 def _python_gated(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    if weight.shape[0] % 2:
+    if weight.shape[0] == 0 or weight.shape[0] % 2:
         rows = weight.shape[0]
         raise ValueError(
             f"a gated linear's weight stacks its gate's and its up's rows: an even number, got {rows}"
