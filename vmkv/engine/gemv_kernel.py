@@ -305,12 +305,22 @@ inline BlockColumns block_columns(const uint16_t *w, const uint16_t *bias, int64
     return c;
 }
 
+/* How many block_columns units y's n_len columns take. */
+inline int64_t column_blocks(int64_t n_len, bool gated) {
+    return gated ? n_len / 16 : (n_len + PANEL - 1) / PANEL;
+}
+
+/* A gated block row: silu(gate) * up of its two halves' sums (bias added), 16 bf16 at y[at]. */
+inline void store_gated(void *y, int64_t at, __m512 gate, __m512 up) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(static_cast<uint16_t *>(y) + at), silu_times(gate, up));
+}
+
 /* y = x @ w.T + bias, rounded once to bf16; stored as bf16, or as those values in fp32 (logits).
    x [rows, k] with row stride x_stride, k even; w in pairs for n columns. gated: w is [gate; up]
    and y [rows, n_len] gets silu(gate) * up (silu_times; n_len a multiple of 16, bf16 out). */
 void gemm_pairs(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *y, bool fp32_out,
                 int64_t rows, int64_t n_len, int64_t k_len, int64_t x_stride, bool gated) {
-    const int64_t pairs = k_len / 2, units = gated ? n_len / 16 : (n_len + PANEL - 1) / PANEL;
+    const int64_t pairs = k_len / 2, units = column_blocks(n_len, gated);
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; b++) {
             const BlockColumns c = block_columns(w, bias, b, n_len, k_len, gated);
@@ -322,9 +332,7 @@ void gemm_pairs(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void
                     const int64_t at = (r0 + r) * n_len + c.n0;
                     if (gated) {
                         const __m512 gate = _mm512_add_ps(acc[r][0], c.add[0]);
-                        const __m512 up = _mm512_add_ps(acc[r][1], c.add[1]);
-                        _mm256_storeu_si256(reinterpret_cast<__m256i *>(static_cast<uint16_t *>(y) + at),
-                                            silu_times(gate, up));
+                        store_gated(y, at, gate, _mm512_add_ps(acc[r][1], c.add[1]));
                         continue;
                     }
                     for (int j = 0; j < 2; j++)
@@ -547,8 +555,7 @@ struct PendingRows {
             const __m512 hi = _mm512_add_ps(_mm512_load_ps(tiles[half + 1][r]), add[1]);
             const int64_t at = (y_row + done) * n_len + n0;
             if (gated) {
-                _mm256_storeu_si256(reinterpret_cast<__m256i *>(static_cast<uint16_t *>(y) + at),
-                                    silu_times(lo, hi));
+                store_gated(y, at, lo, hi);
                 continue;
             }
             const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* 32 bf16, columns in order */
@@ -591,7 +598,7 @@ void pairs_block(const uint16_t *x, int64_t x_stride, const uint16_t *b_lo, cons
    model's MLP activation in the GEMM's writes, so the 2 x n_len sums never reach memory. */
 void gemm_pairs_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *y, bool fp32_out,
                       int64_t rows, int64_t n_len, int64_t k_len, int64_t x_stride, bool gated) {
-    const int64_t panels = gated ? n_len / 16 : (n_len + PANEL - 1) / PANEL;
+    const int64_t panels = column_blocks(n_len, gated);
     const int64_t full = rows / PAIRS_BLOCK_ROWS * PAIRS_BLOCK_ROWS;
     std::unique_ptr<__m512i[]> tail; /* the last rows, zero padded to a block, 64-byte aligned */
     if (rows > full) {
