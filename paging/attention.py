@@ -37,7 +37,7 @@ from vmkv.decode_kernel import (
 from vmkv.flash_support import flash_unusable_reason
 from vmkv.host_metadata import host_query_starts
 from vmkv.kv_cache import StepBatch
-from vmkv.prefill_kernel import causal_attention, faster_than_sdpa
+from vmkv.prefill_kernel import causal_attention
 
 from .triton_attention import TritonPart, paged_attention, triton_part
 
@@ -57,16 +57,15 @@ def causal_sdpa(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    out: torch.Tensor,
     use_kernel: bool = False,
-) -> torch.Tensor:
-    """q [n, Hq, D] over k/v [L, Hkv, D] with a bottom_right_mask (None: nothing cached); GQA.
-    -> [n, Hq, D]. use_kernel: the CPU prefill kernel where it applies and is the faster (the
-    same causal attention, vmkv/prefill_kernel.py), SDPA elsewhere."""
-    if use_kernel and faster_than_sdpa():
-        out = causal_attention(q, k, v, scale)
-        if out is not None:
-            return out
-    out = F.scaled_dot_product_attention(
+) -> None:
+    """q [n, Hq, D] over k/v [L, Hkv, D] with a bottom_right_mask (None: nothing cached); GQA;
+    into out [n, Hq, D]. use_kernel: the CPU prefill kernel where it applies (the same causal
+    attention, vmkv/prefill_kernel.py, writing out in place), SDPA elsewhere."""
+    if use_kernel and causal_attention(q, k, v, scale, out) is not None:
+        return
+    o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
@@ -75,7 +74,7 @@ def causal_sdpa(
         scale=scale,
         enable_gqa=True,
     )
-    return out[0].transpose(0, 1)
+    out.copy_(o[0].transpose(0, 1))
 
 
 @dataclass
@@ -220,7 +219,7 @@ def _attend_parts(
             cached = p.blocks[: -(-p.num_cached // bs)]
             ctx_k = torch.cat([k_blocks.index_select(0, cached).flatten(0, 1)[: p.num_cached], new_k])
             ctx_v = torch.cat([v_blocks.index_select(0, cached).flatten(0, 1)[: p.num_cached], new_v])
-        out[p.start : p.end] = causal_sdpa(q[p.start : p.end], ctx_k, ctx_v, p.mask, scale, use_kernel)
+        causal_sdpa(q[p.start : p.end], ctx_k, ctx_v, p.mask, scale, out[p.start : p.end], use_kernel)
 
 
 class BatchedAttention:

@@ -18,6 +18,7 @@ import torch
 from attention_reference import reference_attention
 from vmkv.paging import attention as paged_attention
 
+from vmkv import prefill_kernel
 from vmkv.dense import attention as dense_attention
 from vmkv.engine import LLM, SamplingParams
 from vmkv.engine.oracle import compare, reference_greedy
@@ -28,6 +29,16 @@ from vmkv.prefill_kernel import causal_attention, kernel_applies
 NATIVE = torch.cpu._is_avx512_bf16_supported()
 needs_native = pytest.mark.skipif(not NATIVE, reason="the prefill kernel needs AVX512-BF16")
 TOLERANCE = 2e-2
+
+
+@pytest.fixture(params=["tiles", "vector"])
+def products(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test once per way the kernel computes Q K^T and P V: on AMX tiles (CPUs that have
+    them) and with vdpbf16ps (what AVX512-BF16 CPUs without AMX run; forced on AMX CPUs)."""
+    if request.param == "tiles" and not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX tiles on this CPU")
+    monkeypatch.setattr(prefill_kernel, "tile_unit", lambda: request.param == "tiles")
+    return request.param
 
 
 def _views(layout: str, length: int, num_kv: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,12 +66,13 @@ def _views(layout: str, length: int, num_kv: int, head_dim: int) -> tuple[torch.
         (7, 0, 9, 3, 64),  # shorter than a query block
         (100, 0, 9, 3, 64),  # several query and key blocks, ragged ends
         (40, 233, 9, 3, 64),  # a chunk after cached tokens: bottom-right causal
+        (300, 0, 9, 3, 64),  # tile passes of two key blocks, then one of a single block
         (33, 31, 32, 8, 128),  # Llama-3-8B heads
         (20, 0, 4, 4, 64),  # no GQA
     ],
 )
 def test_prefill_kernel_matches_the_reference_on_every_layout(
-    layout: str, new: int, cached: int, num_q: int, num_kv: int, head_dim: int
+    products: str, layout: str, new: int, cached: int, num_q: int, num_kv: int, head_dim: int
 ) -> None:
     torch.manual_seed(new + cached)
     k, v = _views(layout, new + cached, num_kv, head_dim)
@@ -73,7 +85,7 @@ def test_prefill_kernel_matches_the_reference_on_every_layout(
 
 
 @needs_native
-def test_prefill_kernel_reads_query_rows_in_place() -> None:
+def test_prefill_kernel_reads_query_rows_in_place(products: str) -> None:
     """q as a slice of a wider packed batch (the step's other sequences around it)."""
     torch.manual_seed(0)
     k, v = _views("token", 50, 3, 64)
@@ -86,7 +98,33 @@ def test_prefill_kernel_reads_query_rows_in_place() -> None:
 
 
 @needs_native
-def test_prefill_kernel_gives_large_scores_a_stable_softmax() -> None:
+def test_prefill_kernel_writes_the_callers_rows_and_nothing_else(products: str) -> None:
+    """out as the sequence's rows of the step's output, heads apart by more than head_dim:
+    those rows get the attention, every other element stays as it was."""
+    torch.manual_seed(2)
+    k, v = _views("token", 70, 3, 64)
+    q = torch.randn(30, 9, 64).bfloat16()
+    step_out = torch.full((50, 9, 80), 7.0, dtype=torch.bfloat16)
+    rows = step_out[10:40, :, :64]
+    assert causal_attention(q, k, v, 0.125, rows) is rows
+    expected = reference_attention(q, [k], [v], [SeqStep(0, 40, 30)], 0.125)
+    torch.testing.assert_close(rows.float(), expected, atol=TOLERANCE, rtol=0)
+    untouched = torch.ones_like(step_out, dtype=torch.bool)
+    untouched[10:40, :, :64] = False
+    assert (step_out[untouched] == 7.0).all()
+
+
+@needs_native
+def test_prefill_kernel_refuses_an_out_of_another_shape() -> None:
+    q, k = torch.randn(5, 2, 64).bfloat16(), torch.randn(8, 2, 64).bfloat16()
+    with pytest.raises(ValueError, match="out must be"):
+        causal_attention(q, k, k, 0.125, torch.empty(5, 2, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        causal_attention(q, k, k, 0.125, torch.empty(5, 2, 64))
+
+
+@needs_native
+def test_prefill_kernel_gives_large_scores_a_stable_softmax(products: str) -> None:
     """Scores in the hundreds (max subtracted before exp) and rows whose first block's keys
     are all far below a later block's."""
     torch.manual_seed(1)
@@ -143,8 +181,6 @@ def test_engine_prefills_through_the_kernel_like_a_bf16_forward(
 
     monkeypatch.setattr(dense_attention, "causal_attention", counted)
     monkeypatch.setattr(paged_attention, "causal_attention", counted)
-    for module in (dense_attention, paged_attention):  # on AMX the layouts prefer SDPA: run the kernel anyway
-        monkeypatch.setattr(module, "faster_than_sdpa", lambda: True)
     prompts = [[(7 * i + 13 * j) % 200 + 3 for j in range(40 + 22 * i)] for i in range(6)]
     reference = reference_greedy(wide_head_model, prompts, 8, torch.bfloat16)
     llm = LLM(

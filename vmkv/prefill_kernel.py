@@ -1,23 +1,29 @@
 """The CPU prefill-attention kernel (source and design: prefill_kernel_source.py).
 
 `causal_attention(q, k, v, scale)` is what a layout calls for a sequence's new rows instead
-of torch's SDPA where `faster_than_sdpa()` (not on CPUs with AMX): it returns None where the
-kernel does not apply (not bf16, not on a CPU with AVX512-BF16, a head_dim that is not a
-multiple of 32, no compiler), and the caller then runs SDPA, which stays the reference and
-the path on every other machine.
+of torch's SDPA: it returns None where the kernel does not apply (not bf16, not on a CPU with
+AVX512-BF16, a head_dim that is not a multiple of 32, no compiler), and the caller then runs
+SDPA, which stays the reference and the path on every other machine. Where the CPU has AMX
+tiles the kernel computes its products on them (`tile_unit()`), elsewhere with `vdpbf16ps`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from functools import cache
 
 import torch
 
 from vmkv.native_build import load_c_library
-from vmkv.prefill_kernel_source import SOURCE
+from vmkv.prefill_kernel_source import KEYS_PER_BLOCK, SOURCE
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
+# Packed K/V copies up to this size stay allocated per thread between calls. Fresh pages fault
+# when the packing first writes them: on a 2-core AMX Xeon a 256-token prompt's call (9/3 heads
+# of 64) took ~235 us inside the engine, ~155 us on warm buffers.
+KEEP_PACKED_BYTES = 64 << 20
+_kept = threading.local()
 
 
 @cache
@@ -31,19 +37,16 @@ def _load(group: int, head_dim: int) -> ctypes._CFuncPtr | None:
     function.restype = ctypes.c_int
     i64, p = ctypes.c_int64, ctypes.c_void_p
     view, sizes = [p, i64, i64], [i64, i64, i64]  # a view: data pointer, token and head strides
-    function.argtypes = [*view, *view, *view, *view, *sizes, ctypes.c_float, ctypes.c_int]
+    threads = [ctypes.c_int, ctypes.c_int]  # how many, and whether on the tile unit
+    function.argtypes = [*view, *view, *view, *view, *sizes, ctypes.c_float, p, *threads]
     function.library = library  # the function pointer keeps its library loaded
     return function
 
 
 @cache
-def faster_than_sdpa() -> bool:
-    """Whether layouts should prefer the kernel to SDPA where it applies: not on a CPU with AMX,
-    whose tiles torch's flash-attention SDPA uses for bf16. On a 2-core Xeon with AMX, SDPA took
-    2.9 ms per layer for a new 1,000-token prompt (SmolLM2's 9 query / 3 KV heads) against the
-    kernel's 6.6, and 2.3 against 4.9 ms for 500 new tokens after 500 cached; on AVX512-BF16
-    alone the kernel is the faster (prefill_kernel_source.py)."""
-    return not torch.cpu._is_amx_tile_supported()
+def tile_unit() -> bool:
+    """Whether the kernel computes its products on the AMX tile unit (where the CPU has one)."""
+    return torch.cpu._is_amx_tile_supported()
 
 
 def kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -57,12 +60,27 @@ def kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     )
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+def _packing_room(nbytes: int) -> int | None:
+    """The address of this thread's kept room for the packed K/V (grown to nbytes), or None
+    (the kernel allocates its own) past KEEP_PACKED_BYTES."""
+    if nbytes > KEEP_PACKED_BYTES:
+        return None
+    room = getattr(_kept, "room", None)
+    if room is None or room.numel() < nbytes:
+        room = _kept.room = torch.empty(nbytes, dtype=torch.uint8)  # 64-byte aligned, as the kernel needs
+    return room.data_ptr()
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """q [n, Hq, D] over k/v [L, Hkv, D] (L >= n; query row i sits at position L - n + i and
-    sees keys 0..L - n + i; GQA: query head j reads KV head j // (Hq / Hkv)) -> [n, Hq, D].
-    Any token/head strides with the last dim contiguous, k's and v's their own (a paged
-    prefill's new k is RoPE's output, its v a slice of the fused projection). None where the
-    kernel does not apply (see kernel_applies)."""
+    sees keys 0..L - n + i; GQA: query head j reads KV head j // (Hq / Hkv)) -> [n, Hq, D],
+    written into `out` where given (any token/head strides, last dim contiguous: the layout's
+    output rows, so nothing is copied after). Any token/head strides with the last dim
+    contiguous for q, k and v too, k's and v's their own (a paged prefill's new k is RoPE's
+    output, its v a slice of the fused projection). None where the kernel does not apply (see
+    kernel_applies)."""
     n, num_q, head_dim = q.shape
     length, num_kv, _ = k.shape
     if not kernel_applies(q, k) or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
@@ -71,10 +89,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         return None
     if not 0 < n <= length or num_q % num_kv or k.shape != v.shape:
         raise ValueError(f"q {list(q.shape)} cannot attend over k {list(k.shape)} / v {list(v.shape)}")
+    if out is None:
+        out = torch.empty(n, num_q, head_dim, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
+        raise ValueError(f"out must be a {q.dtype} view of q's shape {list(q.shape)}, last dim contiguous")
     function = _load(num_q // num_kv, head_dim)
     if function is None:
         return None
-    out = torch.empty(n, num_q, head_dim, dtype=q.dtype, device=q.device)
+    blocks = -(-length // KEYS_PER_BLOCK)
+    packed = _packing_room(2 * num_kv * blocks * KEYS_PER_BLOCK * head_dim * 2)
     status = function(
         q.data_ptr(),
         q.stride(0),
@@ -92,7 +115,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         length,
         num_kv,
         scale,
+        packed,
         torch.get_num_threads(),
+        tile_unit(),
     )
     if status:
         raise MemoryError("the CPU prefill kernel could not allocate its buffers")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from vmkv.decode_kernel import KernelStep, kernel_step
 from vmkv.dense.plan import DenseSlotPlan, SingleSeq
 from vmkv.kv_cache import KVShape
-from vmkv.prefill_kernel import causal_attention, faster_than_sdpa
+from vmkv.prefill_kernel import causal_attention
 
 
 def attend_dense(
@@ -82,9 +82,7 @@ def attend_dense(
             qs = q[s.row_start].view(1, num_kv, group, -1)
             o = F.scaled_dot_product_attention(qs, keys, values, scale=scale)
             out[s.row_start] = o.reshape(num_kv * group, -1)
-        elif (o := _prefill_kernel(plan, q, k_cache, v_cache, s, scale)) is not None:
-            out[s.row_start : s.row_end] = o
-        else:
+        elif _prefill_kernel(plan, q, k_cache, v_cache, s, scale, out) is None:
             qs = q[s.row_start : s.row_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             o = F.scaled_dot_product_attention(
                 qs,
@@ -118,13 +116,15 @@ def _prefill_kernel(
     v_cache: torch.Tensor,
     s: SingleSeq,
     scale: float,
+    out: torch.Tensor,
 ) -> torch.Tensor | None:
-    """The CPU prefill kernel on the slot in place, where the layout runs its kernels (not on
-    the "sdpa" path), the kernel applies and it is the faster here; None otherwise."""
-    if not plan.prefill_kernel or not faster_than_sdpa():
+    """The CPU prefill kernel on the slot in place, into the sequence's rows of out, where the
+    layout runs its kernels (not on the "sdpa" path) and the kernel applies; None otherwise."""
+    if not plan.prefill_kernel:
         return None
     keys, values = k_cache[s.slot, : s.context_len], v_cache[s.slot, : s.context_len]
-    return causal_attention(q[s.row_start : s.row_end], keys, values, scale)
+    rows = slice(s.row_start, s.row_end)
+    return causal_attention(q[rows], keys, values, scale, out[rows])
 
 
 def _attend_flash(
