@@ -10,20 +10,14 @@ tiles the kernel computes its products on them (`tile_unit()`), elsewhere with `
 from __future__ import annotations
 
 import ctypes
-import threading
 from functools import cache
 
 import torch
 
 from vmkv.native_build import load_c_library
-from vmkv.prefill_kernel_source import KEYS_PER_BLOCK, SOURCE
+from vmkv.prefill_kernel_source import SOURCE
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
-# Packed K/V copies up to this size stay allocated per thread between calls. Fresh pages fault
-# when the packing first writes them: on a 2-core AMX Xeon a 256-token prompt's call (9/3 heads
-# of 64) took ~235 us inside the engine, ~155 us on warm buffers.
-KEEP_PACKED_BYTES = 64 << 20
-_kept = threading.local()
 
 
 @cache
@@ -38,7 +32,7 @@ def _load(group: int, head_dim: int) -> ctypes._CFuncPtr | None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     view, sizes = [p, i64, i64], [i64, i64, i64]  # a view: data pointer, token and head strides
     threads = [ctypes.c_int, ctypes.c_int]  # how many, and whether on the tile unit
-    function.argtypes = [*view, *view, *view, *view, *sizes, ctypes.c_float, p, *threads]
+    function.argtypes = [*view, *view, *view, *view, *sizes, ctypes.c_float, *threads]
     function.library = library  # the function pointer keeps its library loaded
     return function
 
@@ -58,17 +52,6 @@ def kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
         and q.shape[-1] % 32 == 0
         and torch.cpu._is_avx512_bf16_supported()
     )
-
-
-def _packing_room(nbytes: int) -> int | None:
-    """The address of this thread's kept room for the packed K/V (grown to nbytes), or None
-    (the kernel allocates its own) past KEEP_PACKED_BYTES."""
-    if nbytes > KEEP_PACKED_BYTES:
-        return None
-    room = getattr(_kept, "room", None)
-    if room is None or room.numel() < nbytes:
-        room = _kept.room = torch.empty(nbytes, dtype=torch.uint8)  # 64-byte aligned, as the kernel needs
-    return room.data_ptr()
 
 
 def causal_attention(
@@ -96,8 +79,6 @@ def causal_attention(
     function = _load(num_q // num_kv, head_dim)
     if function is None:
         return None
-    blocks = -(-length // KEYS_PER_BLOCK)
-    packed = _packing_room(2 * num_kv * blocks * KEYS_PER_BLOCK * head_dim * 2)
     status = function(
         q.data_ptr(),
         q.stride(0),
@@ -115,7 +96,6 @@ def causal_attention(
         length,
         num_kv,
         scale,
-        packed,
         torch.get_num_threads(),
         tile_unit(),
     )

@@ -27,8 +27,6 @@ The design:
 Items go to OpenMP threads dynamically, longest (last rows) first.
 """
 
-KEYS_PER_BLOCK = 64  # KB below: the packed copies hold whole blocks
-
 SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
@@ -50,7 +48,7 @@ SOURCE = r"""
 
 #define D2 (HEAD_DIM / 2)       /* 32-bit words (bf16 pairs) per row */
 #define DZ (HEAD_DIM / 16)      /* fp32 vectors per output row */
-#define KB 64                   /* keys per block (KEYS_PER_BLOCK) */
+#define KB 64                   /* keys per block */
 #define KT (2 * KB)             /* keys per pass of the tile path */
 #define QB 16                   /* query positions per work item */
 #define MR 4                    /* query rows per Q K^T register block */
@@ -383,14 +381,12 @@ static void attend_item_tiles(const args_t* a, const uint32_t* kp, const uint32_
 #endif
 
 /* out[i, h * GROUP + g] = softmax(scale * q[i, h * GROUP + g] . K[0 .. L - n + i]) V, for
-   i < n, every KV head h < hkv. Strides in elements. packed: room for K's and V's packed copies
-   (2 * hkv * ceil(L / KB) * KB * D2 words, 64-byte aligned), or NULL to allocate it here. tiles:
-   run on the AMX tile unit where this build and the OS allow it. Returns nonzero if memory ran out. */
+   i < n, every KV head h < hkv. Strides in elements. tiles: run on the AMX tile unit where this
+   build and the OS allow it. Returns nonzero if memory ran out. */
 int prefill_attention(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* k, int64_t k_tok,
                       int64_t k_head, const uint16_t* v, int64_t v_tok, int64_t v_head, uint16_t* out,
                       int64_t out_tok, int64_t out_head,
-                      int64_t n, int64_t L, int64_t hkv, float scale, uint32_t* packed, int num_threads,
-                      int tiles) {
+                      int64_t n, int64_t L, int64_t hkv, float scale, int num_threads, int tiles) {
     const args_t a = {q, out, q_tok, q_head, out_tok, out_head, n, L, scale};
     const int64_t blocks = (L + KB - 1) / KB, head_words = blocks * KB * D2;
 #ifdef TILES
@@ -398,7 +394,7 @@ int prefill_attention(const uint16_t* q, int64_t q_tok, int64_t q_head, const ui
 #else
     (void)tiles; /* a build without the tile unit */
 #endif
-    uint32_t* kp = packed ? packed : aligned_alloc(64, (size_t)(2 * hkv * head_words) * 4);
+    uint32_t* kp = aligned_alloc(64, (size_t)(2 * hkv * head_words) * 4);
     if (!kp) return 1;
     uint32_t* vp = kp + hkv * head_words;
     const int64_t qblocks = (n + QB - 1) / QB, items = hkv * qblocks;
@@ -452,7 +448,7 @@ int prefill_attention(const uint16_t* q, int64_t q_tok, int64_t q_head, const ui
 #endif
         free(b.q); free(b.p); free(b.o); free(b.s);
     }
-    if (!packed) free(kp);
+    free(kp);
     return failed;
 }
 """
