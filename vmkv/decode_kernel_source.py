@@ -32,6 +32,25 @@ the generic path on AVX2 bf16, 21 -> 17.4 ns.
 Shapes (G, head dim) are compile-time constants so the accumulators stay in registers.
 """
 
+# 2^x in 16 fp32 lanes with AVX-512, for both attention kernels' softmax (also in
+# prefill_kernel_source.py's SOURCE)
+EXP2_PS = r"""
+/* 2^x: round, a degree-6 polynomial on [-0.5, 0.5] (relative error ~2e-7), and vscalefps,
+   which gives exactly 0 far below (masked scores of -1e30); -inf gives NaN. */
+static inline __m512 exp2_ps(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 r = _mm512_set1_ps(1.5403530e-4f);
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.3333558e-3f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(9.6181291e-3f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(5.5504109e-2f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(2.4022651e-1f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(6.9314718e-1f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(r, n);
+}
+"""
+
 SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -239,21 +258,11 @@ static inline void score_rows(const kv_t* const* kr, const qrow_t* q, vf* sums) 
     }
 }
 
-/* 2^x: round, a degree-6 polynomial on [-0.5, 0.5] (relative error ~2e-7), and vscalefps,
-   which gives exactly 0 far below (masked scores of -1e30). */
+EXP2_PS
 static inline vf exp2_tile(vf x) {
     __m512 xm;
     memcpy(&xm, &x, sizeof xm);
-    const __m512 n = _mm512_roundscale_ps(xm, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(xm, n);
-    __m512 r = _mm512_set1_ps(1.5403530e-4f);
-    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.3333558e-3f));
-    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(9.6181291e-3f));
-    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(5.5504109e-2f));
-    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(2.4022651e-1f));
-    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(6.9314718e-1f));
-    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.f));
-    r = _mm512_scalef_ps(r, n);
+    const __m512 r = exp2_ps(xm);
     vf out;
     memcpy(&out, &r, sizeof out);
     return out;
@@ -863,3 +872,4 @@ int decode_attention(const plan_t* p, const kv_t* q, kv_t* kc, kv_t* vc, kv_t* o
     return 0;
 }
 """
+SOURCE = SOURCE.replace("EXP2_PS\n", EXP2_PS.lstrip("\n"))

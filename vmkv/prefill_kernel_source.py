@@ -17,15 +17,18 @@ The design:
   broadcast-one-word, multiply-a-vector loops with no horizontal sums;
 - one work item is (KV head, 16 query positions): its G query heads x 16 rows share every
   K/V block it reads (GQA), walked up to the causal limit of its last row;
-- softmax is online in fp32 in log2 units (scores scaled by scale * log2(e) once, 2^x by a
-  polynomial), for 16 rows at a time: their maxima come out of one shuffle tree as a vector,
-  so the rescale factors are one vector exp2 and no row waits on its own reduction; masked
-  keys are exactly zero, P is rounded to bf16 for P V as torch's bf16 flash attention does,
-  the output is the fp32 sum divided by the row's sum, rounded to nearest even once;
+- softmax is online in fp32 in log2 units (scores scaled by scale * log2(e) once, 2^x by the
+  decode kernel's polynomial), for 16 rows at a time: their maxima come out of one shuffle
+  tree as a vector, so the rescale factors are one vector exp2 and no row waits on its own
+  reduction; masked keys are exactly zero, P is rounded to bf16 for P V as torch's bf16 flash
+  attention does, the output is the fp32 sum divided by the row's sum, rounded to nearest
+  even once;
 - with AMX (`tiles`), Q K^T of 16 rows against 64 or 128 keys and P V are tile products (the
   vector unit does the softmax between them), without it `vdpbf16ps` register blocks.
 Items go to OpenMP threads dynamically, longest (last rows) first.
 """
+
+from vmkv.decode_kernel_source import EXP2_PS
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -56,21 +59,7 @@ SOURCE = r"""
 #define ROWS (QB * GROUP)
 #define ROWS_T ((ROWS + 15) / 16 * 16) /* rows in whole tiles: what the buffers hold */
 
-/* 2^x for x <= 0 (scores less the row max, in log2 units): 2^n * p(f), f = x - n in [-1/2, 1/2],
-   p the degree-5 Taylor polynomial of e^(f ln 2) (rel. err < 3e-6; P is rounded to bf16 after). */
-static inline __m512 exp2_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);                /* ln2^5 / 120 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f)); /* ln2^4 / 24 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f)); /* ln2^3 / 6 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f)); /* ln2^2 / 2 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f)); /* ln2 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
+EXP2_PS
 /* Block b (keys b * KB ..) of one head's K -> kb_out [D2][KB] words; keys past L are zero. */
 static void pack_k(const uint32_t* k, int64_t tok, int64_t L, int64_t b, uint32_t* kb_out) {
     for (int64_t j = 0; j < KB; j++) {
@@ -177,7 +166,9 @@ static inline void softmax_rows(float* s, const int nv, int64_t row0, int64_t kb
     const __m512 m_old = _mm512_loadu_ps(r->m + row0);
     const __m512 m_new = _mm512_max_ps(m_old, max_of_rows(mx));
     const __mmask16 seen = _mm512_cmp_ps_mask(m_new, minus_inf, _CMP_NEQ_OQ); /* rows with a visible key */
-    const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), seen, exp2_ps(_mm512_sub_ps(m_old, m_new)));
+    /* m_old is -inf until a row sees a key: clamped, its rescale is 2^-127 (of sums still 0) */
+    const __m512 shift = _mm512_max_ps(_mm512_sub_ps(m_old, m_new), _mm512_set1_ps(-127.0f));
+    const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), seen, exp2_ps(shift));
     _mm512_storeu_ps(r->m + row0, m_new);
     _mm512_storeu_ps(r->alpha + row0, alpha);
     for (int m = 0; m < 16; m++) {
@@ -452,3 +443,4 @@ int prefill_attention(const uint16_t* q, int64_t q_tok, int64_t q_head, const ui
     return failed;
 }
 """
+SOURCE = SOURCE.replace("EXP2_PS\n", EXP2_PS.lstrip("\n"))
