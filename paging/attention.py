@@ -116,7 +116,7 @@ class PagedPlan:
     """What every layer of one step reads: where to write, and how to attend."""
 
     batch: StepBatch
-    write_rows: torch.Tensor  # int64 [T]: token row (block * block_size + offset) of every new token
+    write_rows: torch.Tensor  # int64 [T]: every new token's row in token_rows() of the layer's blocks
     parts: list[SeqPart]  # sequences attended one by one
     decode: DecodePart | None = None
     flash: FlashPart | None = None
@@ -126,12 +126,26 @@ class PagedPlan:
     kernel_appends: bool = False
 
 
+def block_rows(blocks: torch.Tensor) -> int:
+    """Token rows from one block's start to the next's in blocks [num_blocks, block_size, Hkv, D]:
+    2 * block_size in the pool, whose blocks hold their K and V side by side."""
+    return blocks.stride(0) // blocks.stride(1)
+
+
+def token_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """blocks [num_blocks, block_size, Hkv, D] as one [rows, Hkv, D] view in which token `offset` of
+    block `b` is row b * block_rows(blocks) + offset (the rows between blocks are the other of K
+    and V), so a step writes its new tokens with one index_copy_ per tensor."""
+    num_blocks, block_size, *row = blocks.shape
+    return blocks.as_strided(((num_blocks - 1) * block_rows(blocks) + block_size, *row), blocks.stride()[1:])
+
+
 def write_tokens(
     k_blocks: torch.Tensor, v_blocks: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """k/v [T, Hkv, D] into token rows `rows` (block * block_size + offset) of the blocks."""
-    k_blocks.view(-1, *k_blocks.shape[2:]).index_copy_(0, rows, k)
-    v_blocks.view(-1, *v_blocks.shape[2:]).index_copy_(0, rows, v)
+    """k/v [T, Hkv, D] into rows `rows` of token_rows() of the blocks."""
+    token_rows(k_blocks).index_copy_(0, rows, k)
+    token_rows(v_blocks).index_copy_(0, rows, v)
 
 
 def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -337,14 +351,15 @@ class BatchedAttention:
         if d.gather is None:  # built by the first layer of the step, reused by the others
             device = k_blocks.device
             offsets = torch.arange(block_size, device=device)
-            token_rows = (d.tables.long()[:, :, None] * block_size + offsets).flatten(1)[:, : d.max_len]
+            rows = (d.tables.long()[:, :, None] * block_rows(k_blocks) + offsets).flatten(1)[:, : d.max_len]
             heads = torch.arange(num_kv_heads, device=device)
-            d.gather = (token_rows[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+            d.gather = (rows[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
             d.mask = (torch.arange(d.max_len, device=device) < d.lens[:, None])[:, None, None, :]
         bd = d.rows.shape[0]
         # rows of the [token rows * Hkv, D] view, gathered straight into SDPA's [B, Hkv, L, D] layout
-        kk = k_blocks.view(-1, head_dim).index_select(0, d.gather).view(bd, num_kv_heads, d.max_len, head_dim)
-        vv = v_blocks.view(-1, head_dim).index_select(0, d.gather).view(bd, num_kv_heads, d.max_len, head_dim)
+        shape = (bd, num_kv_heads, d.max_len, head_dim)
+        kk = token_rows(k_blocks).view(-1, head_dim).index_select(0, d.gather).view(shape)
+        vv = token_rows(v_blocks).view(-1, head_dim).index_select(0, d.gather).view(shape)
         qq = q if d.whole_batch else q.index_select(0, d.rows)
         # the G query heads that share a KV head act as G query rows of that head
         return F.scaled_dot_product_attention(

@@ -1,9 +1,10 @@
 """PagedKVCache: the PagedAttention layout behind the one KV-cache contract.
 
-Storage is one tensor `kv` of [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim],
+Storage is one tensor `kv` of [num_layers, num_blocks, 2 (K, V), block_size, kv_heads, head_dim],
 allocated up front from the byte budget. Token-major blocks are what flash-attn's paged
-kernels read, and with all layers in one tensor a copy-on-write or a swap moves a block in
-every layer with a single copy.
+kernels read (at any block stride), a block's K and V lie side by side so a decode reads one run
+per block, and with all layers in one tensor a copy-on-write or a swap moves a block in every
+layer with a single copy.
 
 Lifecycle rules, which keep shared KV immutable:
 - a step may write only blocks its sequence owns alone (count one, not in the prefix cache);
@@ -44,6 +45,7 @@ from .attention import (
     PagedPlan,
     ReferenceAttention,
     TritonAttention,
+    block_rows,
     flash_available,
     write_tokens,
 )
@@ -108,13 +110,14 @@ class PagedKVCache(KVCache[PagedPlan]):
                 f"kv_budget_bytes={kv_budget_bytes} is less than one block ({self.block_bytes} bytes)"
             )
         self.pool = BlockPool(num_blocks)
-        kv_shape = (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        kv_shape = (shape.num_layers, num_blocks, 2, block_size, shape.num_kv_heads, shape.head_dim)
         if self.device.type == "cpu":  # blocks are read scattered: huge pages spare a TLB miss each
             require_available(num_blocks * self.block_bytes, "the paged block pool")
             self.kv = zeros_on_huge_pages(kv_shape, shape.dtype)
         else:
             self.kv = torch.zeros(kv_shape, dtype=shape.dtype, device=self.device)
-        self._blocks = [(self.kv[i, 0], self.kv[i, 1]) for i in range(shape.num_layers)]
+        self._blocks = [(self.kv[i, :, 0], self.kv[i, :, 1]) for i in range(shape.num_layers)]
+        self._block_rows = block_rows(self._blocks[0][0])  # a new token's write row: block * this + offset
         self.attention = self._attention_path(attention)
         self.seqs: dict[int, PagedSequence] = {}  # by id; read them, change them only through the contract
         # every running sequence's block table as an int32 tensor of max_len's blocks, updated
@@ -326,7 +329,7 @@ class PagedKVCache(KVCache[PagedPlan]):
             blocks = self.pool.allocate_run(len(host_blocks))  # in a run, as they were
             self._from_host(host, host_blocks, [b.block_id for b in blocks])
             placed.update(((host_id, h), b) for h, b in zip(host_blocks, blocks, strict=True))
-            self._events.swap_in_bytes += len(host_blocks) * host[:, :, 0].numel() * host.element_size()
+            self._events.swap_in_bytes += len(host_blocks) * host[:, 0].numel() * host.element_size()
         taken: set[int] = set()
         for s in seqs:
             blocks = [placed[(id(s.swapped.host), h)] for h in s.swapped.host_blocks]
@@ -343,7 +346,7 @@ class PagedKVCache(KVCache[PagedPlan]):
     # -------------------------------------------------------------- a step
     def prepare(self, batch: StepBatch) -> PagedPlan:
         """Host work is O(batch) plus O(tokens written): tables come as kept rows."""
-        bs = self.block_size
+        bs, stride = self.block_size, self._block_rows
         tables, rows, write_rows, seen = [], [], [], set()
         for s in batch.steps:
             seq = self._running(s.seq_id)
@@ -365,7 +368,7 @@ class PagedKVCache(KVCache[PagedPlan]):
                     )
             tables.append(table)
             rows.append(self._rows[s.seq_id])
-            write_rows.extend(table[p // bs] * bs + p % bs for p in range(s.num_cached, s.context_len))
+            write_rows.extend(table[p // bs] * stride + p % bs for p in range(s.num_cached, s.context_len))
         write = torch.tensor(write_rows, dtype=torch.int64, device=self.device)
         return self.attention.plan(batch, tables, write, rows)
 
@@ -470,7 +473,7 @@ class PagedKVCache(KVCache[PagedPlan]):
     # Every change of block contents outside a step's attend() goes through these three, so a
     # subclass can repeat it elsewhere (tensor parallelism: on the other ranks' caches).
     def _copy_block(self, src: int, dst: int) -> None:
-        self.kv[:, :, dst].copy_(self.kv[:, :, src])
+        self.kv[:, dst].copy_(self.kv[:, src])
 
     def _to_host(self, block_ids: list[int]) -> torch.Tensor:
         return copy_to_host(self.kv, block_ids)

@@ -46,7 +46,7 @@ def make_cache(
 def stored_kv(cache: PagedKVCache, seq_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What the pool holds for a sequence's tokens, read through its block table: [n, Hkv, D] each."""
     seq = cache.seqs[seq_id]
-    blocks = cache.kv[layer, :, seq.block_table].flatten(1, 2)[:, : seq.num_tokens]
+    blocks = cache.kv[layer, seq.block_table].transpose(0, 1).flatten(1, 2)[:, : seq.num_tokens]
     return blocks[0], blocks[1]
 
 

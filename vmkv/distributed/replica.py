@@ -78,7 +78,7 @@ class Replica:
         kv = self.cache.kv
         match op:
             case CopyBlock(src, dst):
-                kv[:, :, dst].copy_(kv[:, :, src])
+                kv[:, dst].copy_(kv[:, src])
             case BlocksToHost(key, block_ids):
                 self.hosts[key] = copy_to_host(kv, block_ids)
             case BlocksFromHost(key, host_blocks, block_ids):
