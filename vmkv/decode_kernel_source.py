@@ -51,6 +51,26 @@ static inline __m512 exp2_ps(__m512 x) {
 }
 """
 
+# V-lane vector helpers and 2^x for x <= 0 on GCC vector types (vf, vi of V lanes defined
+# first): the decode kernel's generic path and the sampler's draw kernel (draw_kernel.py)
+VECTOR_EXP2 = r"""
+static inline vf splat(float x) { return (vf){} + x; }
+static inline vf select_v(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* 2^x for x <= 0 (relative error ~2e-7); exactly 0 below -126, so masked lanes vanish. */
+static inline vf exp2_v(vf x) {
+    const vi low = x < splat(-126.f);
+    x = select_v(low, splat(-126.f), x);
+    const vf n = (x + 12582912.f) - 12582912.f;  /* round to nearest */
+    const vf f = (x - n) * 0.69314718056f;        /* 2^(x-n) = e^f, |f| <= 0.35 */
+    vf p = splat(1.f / 720);
+    p = p * f + 1.f / 120; p = p * f + 1.f / 24; p = p * f + 1.f / 6;
+    p = p * f + 0.5f; p = p * f + 1.f; p = p * f + 1.f;
+    p = (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
+    return select_v(low, splat(0.f), p);
+}
+"""
+
 SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -112,25 +132,12 @@ static inline void load_row(const kv_t* p, vf* r) {  /* r[NC] */
     for (int c = 0; c < NP; c++) load2(p + c * 2 * V, &r[2 * c], &r[2 * c + 1]);
 }
 
-static inline vf splat(float x) { return (vf){} + x; }
-static inline vf select_v(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+VECTOR_EXP2
 static inline vf vmax(vf a, vf b) { return select_v(a > b, a, b); }
 static inline vf lane_ids(void) {
     vf r; for (int i = 0; i < V; i++) r[i] = (float)i; return r;
 }
 
-/* 2^x for x <= 0 (relative error ~2e-7); exactly 0 below -126, so masked lanes vanish. */
-static inline vf exp2_v(vf x) {
-    const vi low = x < splat(-126.f);
-    x = select_v(low, splat(-126.f), x);
-    const vf n = (x + 12582912.f) - 12582912.f;  /* round to nearest */
-    const vf f = (x - n) * 0.69314718056f;        /* 2^(x-n) = e^f, |f| <= 0.35 */
-    vf p = splat(1.f / 720);
-    p = p * f + 1.f / 120; p = p * f + 1.f / 24; p = p * f + 1.f / 6;
-    p = p * f + 0.5f; p = p * f + 1.f; p = p * f + 1.f;
-    p = (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
-    return select_v(low, splat(0.f), p);
-}
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
@@ -881,4 +888,4 @@ int decode_attention(const plan_t* p, const kv_t* q, kv_t* kc, kv_t* vc, kv_t* o
     return 0;
 }
 """
-SOURCE = SOURCE.replace("EXP2_PS\n", EXP2_PS.lstrip("\n"))
+SOURCE = SOURCE.replace("EXP2_PS\n", EXP2_PS.lstrip("\n")).replace("VECTOR_EXP2\n", VECTOR_EXP2)

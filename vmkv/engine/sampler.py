@@ -8,11 +8,12 @@ that work entirely, so plain requests pay nothing for it. Greedy rows take the f
 (argmax_kernel.py; a step without random rows or logprobs does nothing else). Random rows are drawn by
 inverting each row's CDF at one uniform number, so a per-request seed only decides that
 row's single draw per step from its own generator, whatever else is in the batch (a row with
-a top-k or top-p inverts the CDF of its few kept tokens, sorted by probability). For 64
-rows of a 49,152-token vocabulary at temperature 1 (the API's default) on two CPU cores a
-step's draw takes 1.8 ms: 39 ms when one float64 running sum spanned the vocabulary (see
-inverse_cdf), 68 ms with the exponential race (argmax of probs / Exp(1) noise, V random
-numbers per row).
+a top-k or top-p inverts the CDF of its few kept tokens, sorted by probability). Rows with
+only a temperature (the API's default) are drawn by draw_kernel.py without writing the
+probabilities: 1.28 against 2.45 ms for 64 rows of a 49,152-token vocabulary from memory on two
+cores of an AMX Xeon. The torch path (softmax, then inverse_cdf) serves the other rows: 39 ms when
+one float64 running sum spanned the vocabulary (see inverse_cdf), 68 ms with the exponential race
+(argmax of probs / Exp(1) noise, V random numbers per row).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ import torch
 
 from vmkv import faults
 from vmkv.engine.argmax_kernel import first_max_indices
+from vmkv.engine.draw_kernel import CDF_BLOCK, draw_tokens
 from vmkv.engine.logits_processors import LogitsProcessor
 from vmkv.engine.sampling_params import SamplingParams
 from vmkv.engine.structured_output import GrammarState, apply_token_bitmask, new_token_bitmask
 
-CDF_BLOCK = 256  # tokens per block of the two-level CDF random draws invert (inverse_cdf)
 # A top-p row's nucleus is looked for among its tokens of at least 1/N of its mass, for each N
 # in turn, then in the whole row. On SmolLM2's own distributions at temperature 1 and top_p 0.95
 # the first held 91% of rows' nuclei (at most ~1,700 tokens), the second all of them.
@@ -180,7 +181,21 @@ class Sampler:
 
     # ------------------------------------------------------------------------- sampling
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        draw = {"dtype": torch.float64, "device": logits.device}
+        uniform = torch.rand(len(rows), 1, generator=self.generator, **draw)
+        for i, row in enumerate(rows):  # one number per seeded row, from its own stream
+            if row.generator is not None:
+                uniform[i] = torch.rand(1, generator=row.generator, **draw)
         temperature = [r.params.temperature for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        vocab = logits.shape[1]
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        cut = [i for i in range(len(rows)) if top_k[i] < vocab or top_p[i] < 1.0]
+        if not cut and not any(min_p):  # plain temperature rows: no [S, V] tensor written
+            tokens = draw_tokens(logits, temperature, uniform)
+            if tokens is not None:
+                return tokens
         if any(t != 1.0 for t in temperature):  # 1.0 is the API's default: skip a [S, V] pass
             logits = logits / torch.tensor(temperature, dtype=logits.dtype, device=logits.device).unsqueeze(1)
         probs = logits.softmax(dim=-1)  # this step's own tensor: filters change it in place
@@ -189,18 +204,8 @@ class Sampler:
         overflowed = probs[:, 0].isnan()
         if overflowed.any():
             probs[overflowed] = logits[overflowed].clamp(max=torch.finfo(logits.dtype).max).softmax(dim=-1)
-        min_p = [r.params.min_p for r in rows]
         if any(min_p):
             _mask_min_p(probs, min_p)
-        draw = {"dtype": torch.float64, "device": logits.device}
-        uniform = torch.rand(len(rows), 1, generator=self.generator, **draw)
-        for i, row in enumerate(rows):  # one number per seeded row, from its own stream
-            if row.generator is not None:
-                uniform[i] = torch.rand(1, generator=row.generator, **draw)
-        vocab = probs.shape[1]
-        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-        top_p = [r.params.top_p for r in rows]
-        cut = [i for i in range(len(rows)) if top_k[i] < vocab or top_p[i] < 1.0]
         if len(cut) == len(rows):
             return _draw_top_k_top_p(probs, top_k, top_p, uniform)
         # every row, the cut ones overwritten below: 0.2 ms for 64 x 49,152, against 0.6 ms to
