@@ -601,6 +601,9 @@ static inline void ahead_start(ahead_t* a, const plan_t* p, int64_t b, int64_t t
         cursor_start(&a->next, p, next->b, next->t0);
         a->nkc = kbase + next->h * p->head_stride;
         a->nvc = vbase + next->h * p->head_stride;
+    } else {  /* never read: set so -Wall's flow analysis sees no uninitialised use */
+        a->next = (cursor_t){.p = p};
+        a->nkc = a->nvc = kbase;
     }
     a->count = t1 - t0;
     a->lag = !p->tables && p->token_stride == HEAD_DIM ? 0 : V;
