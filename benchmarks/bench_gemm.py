@@ -30,7 +30,7 @@ import torch
 
 from vmkv.engine import gemv_kernel
 from vmkv.engine.cpu_linear import has_native_half_gemm, pack_linears, packed_logits
-from vmkv.native_build import load_c_library
+from vmkv.native_build import load_c_function
 
 HIDDEN, INTERMEDIATE = 576, 1536  # SmolLM2-135M's MLP up-projection
 # the default model's linears per layer as cpu_linear.py runs them: (out, in) features
@@ -115,11 +115,18 @@ def peak_gflops(rounds: int) -> float | None:
     ~0.15 s, since a shared machine's other tenants only ever slow a round; None where the probe
     cannot be built."""
     flags = ["-O2", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-    library = load_c_library("gemm_peak", PEAK_SOURCE, flags, "GEMM peak probe unavailable")
-    if library is None:
+    argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+    probe = load_c_function(
+        "gemm_peak",
+        PEAK_SOURCE,
+        flags,
+        "GEMM peak probe unavailable",
+        "peak_flops",
+        ctypes.c_double,
+        argtypes,
+    )
+    if probe is None:
         return None
-    probe = library.peak_flops
-    probe.restype, probe.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
     sink, threads, iterations = ctypes.c_float(), torch.get_num_threads(), 40_000_000
     rates = []
     for _ in range(rounds):

@@ -81,6 +81,20 @@ def load_c_library(stem: str, source: str, flags: list[str], unavailable: str) -
         return None
 
 
+def load_c_function(
+    stem: str, source: str, flags: list[str], unavailable: str, symbol: str, restype: object, argtypes: list
+) -> ctypes._CFuncPtr | None:
+    """Function `symbol` of load_c_library's library, with its C signature; None where the library
+    is unavailable. The function keeps its library loaded."""
+    library = load_c_library(stem, source, flags, unavailable)
+    if library is None:
+        return None
+    function = getattr(library, symbol)
+    function.restype, function.argtypes = restype, argtypes
+    function.library = library
+    return function
+
+
 def build_torch_library(stem: str, source: str, flags: tuple[str, ...]) -> Path:
     """build_library for C++ torch operators (TORCH_LIBRARY), built against this torch's headers
     with the system C++ compiler (`$CXX`, default `c++`); load the result with torch.ops.load_library."""

@@ -14,7 +14,7 @@ from functools import cache
 
 import torch
 
-from vmkv.native_build import load_c_library
+from vmkv.native_build import load_c_function
 from vmkv.prefill_kernel_source import SOURCE
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
@@ -24,17 +24,11 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shar
 def _load(group: int, head_dim: int) -> ctypes._CFuncPtr | None:
     flags = [*_FLAGS, f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]
     unavailable = "CPU prefill kernel unavailable, prefill attention uses SDPA"
-    library = load_c_library("prefill", SOURCE, flags, unavailable)
-    if library is None:
-        return None
-    function = library.prefill_attention
-    function.restype = ctypes.c_int
     i64, p = ctypes.c_int64, ctypes.c_void_p
     view, sizes = [p, i64, i64], [i64, i64, i64]  # a view: data pointer, token and head strides
     threads = [ctypes.c_int, ctypes.c_int]  # how many, and whether on the tile unit
-    function.argtypes = [*view, *view, *view, *view, *sizes, ctypes.c_float, *threads]
-    function.library = library  # the function pointer keeps its library loaded
-    return function
+    argtypes = [*view, *view, *view, *view, *sizes, ctypes.c_float, *threads]
+    return load_c_function("prefill", SOURCE, flags, unavailable, "prefill_attention", ctypes.c_int, argtypes)
 
 
 @cache

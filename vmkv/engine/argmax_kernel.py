@@ -16,7 +16,7 @@ from functools import cache
 
 import torch
 
-from vmkv.native_build import load_c_library
+from vmkv.native_build import load_c_function
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 # Below this many logits a row-parallel region costs more than it saves (one row: ~50k).
@@ -72,14 +72,11 @@ void first_max_rows(const float* x, int64_t rows, int64_t n, int64_t stride, int
 
 @cache
 def _kernel() -> ctypes._CFuncPtr | None:
-    library = load_c_library("argmax", SOURCE, _FLAGS, "CPU argmax kernel unavailable, using torch")
-    if library is None:
-        return None
-    function = library.first_max_rows
-    function.restype = None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
-    return function
+    unavailable = "CPU argmax kernel unavailable, using torch"
+    return load_c_function(
+        "argmax", SOURCE, _FLAGS, unavailable, "first_max_rows", None, [p, i64, i64, i64, p, ctypes.c_int]
+    )
 
 
 def first_max_indices(logits: torch.Tensor) -> torch.Tensor:

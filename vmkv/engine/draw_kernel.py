@@ -22,7 +22,7 @@ from functools import cache
 import torch
 
 from vmkv.decode_kernel_source import VECTOR_EXP2
-from vmkv.native_build import load_c_library
+from vmkv.native_build import load_c_function
 
 CDF_BLOCK = 256  # tokens per block of the two-level CDF (the sampler's inverse_cdf too)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
@@ -149,14 +149,11 @@ void draw_rows(const float* x, int64_t rows, int64_t n, int64_t stride, const fl
 
 @cache
 def _kernel() -> ctypes._CFuncPtr | None:
-    library = load_c_library("draw", SOURCE, _FLAGS, "CPU draw kernel unavailable, using torch")
-    if library is None:
-        return None
-    function = library.draw_rows
-    function.restype = None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [p, i64, i64, i64, p, p, p, ctypes.c_int]
-    return function
+    argtypes = [p, i64, i64, i64, p, p, p, ctypes.c_int]
+    return load_c_function(
+        "draw", SOURCE, _FLAGS, "CPU draw kernel unavailable, using torch", "draw_rows", None, argtypes
+    )
 
 
 def draw_tokens(
