@@ -1,5 +1,5 @@
-"""Shared fixtures: the tiny stand-in model (built once per session), the real default model, and
-single-threaded torch for the modules that opt in."""
+"""Shared fixtures: the tiny stand-in model (built once per session), the real default model,
+single-threaded torch for the modules that opt in, and eager engines unless a test asks to compile."""
 
 from __future__ import annotations
 
@@ -9,8 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from vmkv.engine import config
 from vmkv.model.store import pull_default_model
 from vmkv.model.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def eager_by_default() -> Iterator[None]:
+    """Engines built here run eagerly unless a test passes compile_model=True: the suite builds
+    ~150 short-lived engines, and compiling each would cost 15-30 s (tests/test_compiled.py and
+    the compile_model=True cases cover the compiled path). The resolution itself is tested
+    against the real default."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(config, "COMPILE_BY_DEFAULT", False)
+        yield
 
 
 @pytest.fixture(scope="session")

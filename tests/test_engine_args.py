@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vmkv.bench.online import serve_arguments
+from vmkv.engine import config
 from vmkv.engine.args import add_engine_arguments, engine_config, engine_flags, ignored_flags
 from vmkv.engine.config import EngineConfig
 from vmkv.server.launcher import add_serve_arguments
@@ -22,6 +23,16 @@ def parse(argv: list[str]) -> EngineConfig:
 
 def test_defaults_are_the_config_defaults() -> None:
     assert parse([]) == EngineConfig()
+
+
+def test_engines_compile_by_default_where_compiling_is_supported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "COMPILE_BY_DEFAULT", True)  # the suite's engines run eagerly (conftest)
+    assert EngineConfig().compile_model is True
+    assert parse([]).compile_model is True
+    assert EngineConfig(tensor_parallel_size=2).compile_model is False  # not compiled yet
+    assert parse(["--tensor-parallel-size", "2"]).compile_model is False
+    assert parse(["--no-compile"]).compile_model is False
+    assert EngineConfig(compile_model=False).compile_model is False
 
 
 @pytest.mark.parametrize(

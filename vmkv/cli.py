@@ -29,7 +29,8 @@ def cmd_pull(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    llm = LLM(str(resolve_model(args.model)), kv_mode=args.kv_mode)
+    # one answer cannot win back a compile (~30 s)
+    llm = LLM(str(resolve_model(args.model)), kv_mode=args.kv_mode, compile_model=False)
     try:
         print(complete_chat(llm, args.prompt, args.max_tokens))
     finally:

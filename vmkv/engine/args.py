@@ -172,9 +172,9 @@ def add_engine_arguments(
         "compile_model",
         "--compile",
         action=argparse.BooleanOptionalAction,
-        default=d.compile_model,
-        help="run the model under torch.compile, compiled once at start (default: on for `vmkv serve` "
-        "without tensor parallelism, off elsewhere; docs/engine.md)",
+        default=None,  # EngineConfig resolves it: on where supported
+        help="run the model under torch.compile, compiled once at start (default: on without tensor "
+        "parallelism, which does not compile yet; docs/engine.md)",
     )
     add(
         "tensor_parallel_size",

@@ -213,9 +213,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="how requests pick a replica (round-robin: the baseline, ignoring prefixes and load)",
     )
     add_engine_arguments(engine)
-    # a server runs long enough to win back the compile (docs/engine.md): on unless told
-    # otherwise or tensor parallel (not compiled yet); None until serve_main resolves it
-    parser.set_defaults(compile_model=None)
 
 
 def lora_module_flag(text: str) -> LoRAModule:
@@ -278,8 +275,6 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 def serve_main(args: argparse.Namespace) -> None:
     """Serve until interrupted; the engine is shut down (KV freed) on the way out."""
-    if args.compile_model is None:
-        args.compile_model = args.tensor_parallel_size == 1
     engine_settings = engine_config(args)
     if unread := ignored_flags(engine_settings):
         logger.warning(
