@@ -56,3 +56,14 @@ def test_frozen_objects_are_freed_by_their_last_reference_and_later_garbage_coll
         """
     )
     assert out == "True True"
+
+
+def test_a_frozen_heap_exits_without_native_leak_reports() -> None:
+    """Triton's nanobind bindings (imported by the paged cache) report the instances still alive
+    at exit; frozen cycles holding them were never collected, so every served process ended
+    with that report on stderr."""
+    code = "import vmkv.paging\nfrom vmkv.engine.gc_heap import freeze_start_up_heap\nfreeze_start_up_heap()"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "leaked" not in result.stderr

@@ -10,6 +10,7 @@ This is what vLLM's engine core and API server do after start-up.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -20,10 +21,15 @@ logger = logging.getLogger(__name__)
 def freeze_start_up_heap() -> None:
     """Collect once, then move every surviving object out of the collector's reach; called
     by processes vmkv owns (engine core, tensor-parallel ranks, `vmkv serve`) when they are
-    ready to serve. Objects frozen here are still freed when their last reference goes."""
+    ready to serve. Objects frozen here are still freed when their last reference goes.
+
+    At exit they are handed back to the collector, so the interpreter's last collections free
+    the cycles among them: left frozen, native extensions whose objects sit in such cycles
+    reported them as leaks on every exit (Triton's bindings printed ~50 lines of them)."""
     start = time.perf_counter()
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
     logger.info(
         "froze %d start-up objects for the garbage collector in %.0f ms",
         gc.get_freeze_count(),
