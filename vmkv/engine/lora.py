@@ -101,14 +101,7 @@ def read_adapter(
     (in_features, out_features)), its weights packed by `pack` as the model's linears are.
     Raises ValueError naming what does not fit; nothing is kept."""
     directory = Path(path).expanduser()
-    config_file = directory / CONFIG_FILE
-    if not config_file.is_file():
-        raise ValueError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {path}")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"LoRA adapter {name!r}: {CONFIG_FILE} does not parse: {error}") from None
-    _check_config(name, config)
+    config = read_adapter_config(path, name)
     tensors = _read_tensors(name, directory)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -151,6 +144,20 @@ def read_adapter(
     if not weights:
         raise ValueError(f"LoRA adapter {name!r} in {path} has no LoRA weights")
     return LoRAAdapter(name, str(directory.resolve()), [weights.get(module) for module in slots])
+
+
+def read_adapter_config(path: str, name: str) -> dict:
+    """The adapter's PEFT config, checked for what vmkv can run; ValueError naming the fault.
+    Needs no model, so a server refuses a bad --lora-modules before it loads and compiles one."""
+    config_file = Path(path).expanduser() / CONFIG_FILE
+    if not config_file.is_file():
+        raise ValueError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {path}")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"LoRA adapter {name!r}: {CONFIG_FILE} does not parse: {error}") from None
+    _check_config(name, config)
+    return config
 
 
 def _check_config(name: str, config: object) -> None:

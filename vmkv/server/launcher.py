@@ -22,6 +22,7 @@ from vmkv.engine.args import (
 from vmkv.engine.data_parallel import ROUTINGS
 from vmkv.engine.engine_info import EngineInfo
 from vmkv.engine.gc_heap import freeze_start_up_heap
+from vmkv.engine.lora import read_adapter_config
 from vmkv.server.app import build_app
 from vmkv.server.chat_template import load_chat_template
 from vmkv.server.drain import DEFAULT_GRACE_SECONDS, Drain, DrainingServer
@@ -286,6 +287,11 @@ def serve_main(args: argparse.Namespace) -> None:
         raise SystemExit("vmkv: error: --data-parallel-size needs --engine-process")
     if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
         raise SystemExit("vmkv: error: LoRA adapters need --enable-lora")
+    try:
+        for module in args.lora_modules:
+            read_adapter_config(module.path, module.name)
+    except ValueError as error:
+        raise SystemExit(f"vmkv: error: --lora-modules: {error}") from error
     try:
         chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     except (ValueError, OSError) as error:
