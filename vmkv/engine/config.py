@@ -65,7 +65,7 @@ class EngineConfig:
     fp32_gemm: bool | None = None
     # Run the decoder under torch.compile (inductor), compiled once at start; eager if off or if
     # compiling fails. None: on wherever it is supported (one rank). It costs ~30 s at start and
-    # gains 1.3-1.4x offline throughput (docs/engine.md); False for short-lived engines.
+    # gains 1.3-1.5x offline throughput (docs/engine.md); False for short-lived engines.
     compile_model: bool | None = None
     # Ranks the model is split over (its attention heads and MLP columns): this process and
     # tensor_parallel_size - 1 workers (vmkv/distributed). kv_budget_bytes is the whole
