@@ -508,9 +508,8 @@ def markdown(runs: list[dict]) -> str:
 
 def faults_and_mapping(groups: dict[tuple, list[dict]]) -> list[str]:
     """Lines of a table: every served target's engine minor faults per output token, and for
-    vattention where its mapping ran (medians over rounds)."""
-
-    lines = [
+    vattention where its mapping ran (medians over rounds); none without served runs."""
+    header = [
         "",
         "Page faults and vattention's mapping during served runs (medians): the engine processes' "
         "minor faults per output token (every thread's); vattention's map calls on the step thread "
@@ -522,6 +521,7 @@ def faults_and_mapping(groups: dict[tuple, list[dict]]) -> list[str]:
         "| step thread's mapping, share of the run | step thread's faults / token | mapper CPU s |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    lines = []
     for (mode, rate, target, _), rows in sorted(groups.items()):
         tokens = median(rows, "total_output_tokens")
         faults = median(rows, "engine_minor_faults")
@@ -543,7 +543,7 @@ def faults_and_mapping(groups: dict[tuple, list[dict]]) -> list[str]:
                 f"{mapper:.2f}" if mapper is not None else "–",
             ]
         lines.append("| " + " | ".join(cells) + " |")
-    return lines if len(lines) > 5 else []
+    return header + lines if lines else []
 
 
 def served_over_offline(runs: list[dict]) -> list[str]:
