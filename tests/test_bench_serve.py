@@ -104,3 +104,24 @@ def test_the_table_shows_faults_per_token_for_every_server_and_mapping_for_vatte
 def test_the_table_is_left_out_without_counters(bench_serve):
     offline = {"target": "paged", "dtype": "bfloat16", "rate": "inf", "round": 0, "mode": "offline"}
     assert bench_serve.faults_and_mapping({("offline", "inf", "paged", "bfloat16"): [offline]}) == []
+
+
+def test_each_round_is_divided_by_vllms_fastest_dtype_of_that_round_and_rate(bench_serve):
+    def run(target: str, dtype: str, rate: str, round_index: int, tok_s: float) -> dict:
+        return {"target": target, "dtype": dtype, "rate": rate, "round": round_index, "mode": "served"} | {
+            "output_throughput": tok_s
+        }
+
+    runs = [
+        run("vllm", "bfloat16", "inf", 0, 200.0),
+        run("vllm", "float32", "inf", 0, 250.0),  # the faster dtype of round 0
+        run("vllm", "bfloat16", "inf", 1, 300.0),
+        run("vllm", "bfloat16", "8", 0, 100.0),
+        run("paged", "bfloat16", "8", 0, 150.0),
+        run("paged", "bfloat16", "inf", 1, 330.0),
+        run("paged", "bfloat16", "inf", 0, 500.0),
+        run("paged", "bfloat16", "2", 0, 90.0),  # no vLLM run at rate 2: no row
+    ]
+    rows = [line for line in bench_serve.against_peer(runs) if line.startswith("| paged")]
+    assert rows == ["| paged | bfloat16 | 8 | 1.50 | 1.50 |", "| paged | bfloat16 | inf | 2.00 1.10 | 1.55 |"]
+    assert bench_serve.against_peer([r for r in runs if r["target"] != "vllm"]) == []

