@@ -31,6 +31,8 @@ from vmkv.engine import AsyncLLM, AsyncProcessLLM, SamplingParams
 from vmkv.engine.config import KV_MODES
 from vmkv.server import EngineClient, build_app
 from vmkv.server.limits import RequestLimits
+from vmkv.server.protocol import CompletionChoice, CompletionResponse
+from vmkv.server.streaming import sse_event
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -840,3 +842,16 @@ def test_fuzzed_requests_never_get_a_server_error(fuzz_url: str, mode: Generatio
             case.validate_response(response, excluded_checks=[positive_data_acceptance])
 
         check()
+
+
+def test_a_chunk_whose_text_holds_unicode_line_breaks_stays_one_data_line() -> None:
+    """Generated text may hold U+0085, U+2028 or U+2029, which JSON may leave raw and Python's
+    str.splitlines (so httpx's aiter_lines) ends a line at: a soak stream once read a chunk cut
+    in two. Each event must still be one line to such a client and decode to the same text."""
+    text = "a\x85b\u2028c\u2029d é"
+    chunk = CompletionResponse(id="c", model="m", choices=[CompletionChoice(index=0, text=text)])
+    for event in (sse_event(chunk), sse_event(chunk.model_dump())):
+        lines = event.splitlines()
+        assert lines[1:] == [""] and lines[0].startswith("data: ")
+        assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == text
+    assert "é" in sse_event(chunk)  # other characters stay as pydantic writes them

@@ -26,10 +26,16 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_EVENT = "data: [DONE]\n\n"
 
 
+# Characters JSON may leave raw that Python's str.splitlines (and so httpx's aiter_lines) ends
+# a line at: generated text holding one cut a client's `data:` line in two. Escaped, every JSON
+# parser reads the same string.
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
 def sse_event(payload: BaseModel | dict) -> str:
-    """One event; a JSON body never holds a raw newline, so one `data:` line always suffices."""
+    """One event on one `data:` line: JSON escapes newlines, and _LINE_BREAKS the rest."""
     body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {body}\n\n"
+    return f"data: {one_line(body)}\n\n"
 
 
 def typed_event(kind: str, fields: dict[str, object]) -> str:
@@ -37,6 +43,12 @@ def typed_event(kind: str, fields: dict[str, object]) -> str:
     an `event:` line, and the fields, led by the same type, as JSON."""
     body = json.dumps(to_jsonable_python({"type": kind, **fields}, by_alias=True))
     return f"event: {kind}\ndata: {body}\n\n"
+
+
+def one_line(body: str) -> str:
+    """A JSON text with the line breaks JSON leaves raw escaped (json.dumps escapes every
+    non-ASCII character by default; pydantic's JSON writes them raw)."""
+    return body if body.isascii() else body.translate(_LINE_BREAKS)
 
 
 class EventStreamResponse(StreamingResponse):
