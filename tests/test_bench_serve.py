@@ -95,9 +95,9 @@ def test_the_table_shows_faults_per_token_for_every_server_and_mapping_for_vatte
     rows = {
         line.split(" | ")[0]: line for line in bench_serve.faults_and_mapping(groups) if line.startswith("| ")
     }
-    assert rows["| vllm"] == "| vllm | inf | 10.0 | – | – | – | – | – |"
+    assert rows["| vllm"] == "| vllm | bfloat16 | inf | 10.0 | – | – | – | – | – |"
     assert rows["| vattention-compiled"] == (
-        "| vattention-compiled | inf | 10.0 | 480 / 15,840 | 97.1% | 0.20% | 1.20 | 0.78 |"
+        "| vattention-compiled | bfloat16 | inf | 10.0 | 480 / 15,840 | 97.1% | 0.20% | 1.20 | 0.78 |"
     )
 
 
@@ -125,3 +125,26 @@ def test_each_round_is_divided_by_vllms_fastest_dtype_of_that_round_and_rate(ben
     rows = [line for line in bench_serve.against_peer(runs) if line.startswith("| paged")]
     assert rows == ["| paged | bfloat16 | 8 | 1.50 | 1.50 |", "| paged | bfloat16 | inf | 2.00 1.10 | 1.55 |"]
     assert bench_serve.against_peer([r for r in runs if r["target"] != "vllm"]) == []
+
+
+def test_the_vs_vllm_column_divides_by_vllms_fastest_dtype_whichever_ran_last(bench_serve):
+    def run(target: str, dtype: str, round_index: int, tok_s: float) -> dict:
+        return {"target": target, "dtype": dtype, "rate": "inf", "round": round_index, "mode": "served"} | {
+            "output_throughput": tok_s
+        }
+
+    runs = [
+        run("vllm", "bfloat16", 0, 300.0),
+        run("vllm", "bfloat16", 1, 320.0),
+        run("vllm", "float32", 0, 200.0),  # slower, and inserted after bfloat16
+        run("vllm", "float32", 1, 220.0),
+        run("paged", "bfloat16", 0, 465.0),
+        run("paged", "bfloat16", 1, 465.0),
+    ]
+    vs = {
+        line.split(" | ")[0] + " " + line.split(" | ")[1]: line.split(" | ")[5]
+        for line in bench_serve.markdown(runs).splitlines()
+        if line.startswith("| ") and "served" in line
+    }
+    assert vs["| paged bfloat16"] == "1.50x"  # 465 / 310, bf16's median, not fp32's 210
+    assert vs["| vllm float32"] == "0.68x"

@@ -462,11 +462,10 @@ def markdown(runs: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         groups.setdefault((run["mode"], run["rate"], run["target"], run["dtype"]), []).append(run)
-    peer = {
-        rate: median(rows, "output_throughput")
-        for (mode, rate, target, _), rows in groups.items()
-        if mode == "served" and target == "vllm"
-    }
+    peer: dict[str, float] = {}  # rate -> vLLM's output tok/s in its fastest dtype (median over rounds)
+    for (mode, rate, target, _), rows in groups.items():
+        if mode == "served" and target == "vllm" and median(rows, "output_throughput"):
+            peer[rate] = max(peer.get(rate, 0.0), median(rows, "output_throughput"))
     lines = [
         "| target | dtype | mode | rate | output tok/s | vs vLLM | TTFT median / p99 ms "
         "| TPOT median / p99 ms | ITL median ms | completed | runs |",
@@ -492,17 +491,17 @@ def markdown(runs: list[dict]) -> str:
         "window is the client's whole life, its start-up included: vLLM's client takes ~19 CPU seconds "
         "to start (`bench serve --help`) on a 2-core AVX2 EPYC, while the server idles.",
         "",
-        "| target | rate | wall s | engine | front | client | idle |",
-        "|---|---|---|---|---|---|---|",
+        "| target | dtype | rate | wall s | engine | front | client | idle |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for (mode, rate, target, _), rows in sorted(groups.items()):
+    for (mode, rate, target, dtype), rows in sorted(groups.items()):
         if mode != "served" or median(rows, "wall_s") is None:
             continue
         wall, engine, front, client = (
             median(rows, k) for k in ("wall_s", "engine_cpu_s", "front_cpu_s", "client_cpu_s")
         )
         idle = wall * (os.cpu_count() or 1) - engine - front - client
-        cells = [target, rate] + [fmt(value) for value in (wall, engine, front, client, idle)]
+        cells = [target, dtype, rate] + [fmt(value) for value in (wall, engine, front, client, idle)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += faults_and_mapping(groups)
     return "\n".join(lines) + "\n"
@@ -519,17 +518,18 @@ def faults_and_mapping(groups: dict[tuple, list[dict]]) -> list[str]:
         "as a share of the client's run, its own minor faults per output token (prepare to the end "
         "of the forward) and the mapper's CPU.",
         "",
-        "| target | rate | engine faults / token | map calls, step thread / mapper | off the step thread "
-        "| step thread's mapping, share of the run | step thread's faults / token | mapper CPU s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| target | dtype | rate | engine faults / token | map calls, step thread / mapper "
+        "| off the step thread | step thread's mapping, share of the run | step thread's faults / token "
+        "| mapper CPU s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines = []
-    for (mode, rate, target, _), rows in sorted(groups.items()):
+    for (mode, rate, target, dtype), rows in sorted(groups.items()):
         tokens = median(rows, "total_output_tokens")
         faults = median(rows, "engine_minor_faults")
         if mode != "served" or not tokens or faults is None:
             continue
-        cells = [target, rate, f"{faults / tokens:.1f}"]
+        cells = [target, dtype, rate, f"{faults / tokens:.1f}"]
         critical, background = median(rows, "kv_map_calls_critical"), median(rows, "kv_map_calls_background")
         if critical is None or background is None:
             cells += ["–"] * 5
