@@ -504,6 +504,21 @@ def test_a_prompt_longer_than_a_reserve_slot_takes_its_other_pages_from_the_rese
     cache.close()
 
 
+def test_the_reserve_keeps_twice_the_most_admissions_of_one_step_backed() -> None:
+    # one admission a step, of 40 tokens (5 pages): two idle slots are backed for the next,
+    # since arrivals at a rate come in bursts the last admitting steps did not show (no look-ahead
+    # chunk, which would fill the held peak the reserve stays within)
+    options = {"premap_slots": 4, "premap_tokens": 16, "premap_fraction": 0.5, "ahead_bytes": 0}
+    cache = make_cache(num_sets=64, order="packed", **options)
+    cache.wait_mapper()
+    cache.admit(1, [0] * 40)
+    write(cache, [SeqStep(1, 0, 40)], {1: 1.0})
+    cache.wait_mapper()
+    assert sorted(len(s.sets) for s in cache.table.idle() if len(s.sets) >= 5) == [5, 5]
+    check_invariants(cache, strict=False)
+    cache.close()
+
+
 def test_premapped_pages_give_way_to_a_sequence_that_needs_them() -> None:
     cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=40, premap_fraction=0.625)
     cache.wait_mapper()
