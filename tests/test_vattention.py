@@ -519,6 +519,26 @@ def test_the_reserve_keeps_twice_the_most_admissions_of_one_step_backed() -> Non
     cache.close()
 
 
+def test_prompts_told_as_they_arrive_get_an_idle_slot_each_and_map_nothing_when_admitted() -> None:
+    # told one at a time (as a receiver thread hears them), the second must not pick the slot
+    # already chosen for the first: both are admitted into pages the mapper backed
+    options = {"premap_slots": 1, "premap_tokens": 8, "premap_fraction": 0.5, "ahead_bytes": 0}
+    cache = make_cache(num_sets=64, order="packed", **options)
+    cache.wait_mapper()
+    cache.arrived([UpcomingPrompt([1] * 24)])
+    cache.arrived([UpcomingPrompt([2] * 24)])
+    cache.wait_mapper()
+    assert sorted(len(s.sets) for s in cache.table.idle() if s.sets) == [3, 3]
+    critical = cache.stats().map_calls_critical
+    cache.admit(1, [1] * 24)
+    cache.admit(2, [2] * 24)
+    assert cache.stats().map_calls_critical == critical
+    cache.arrived([UpcomingPrompt([3] * (MAX_LEN + 1))])  # longer than a slot: ignored, as admit refuses it
+    check_invariants(cache, strict=False)
+    cache.close()
+    cache.arrived([UpcomingPrompt([4] * 8)])  # closed: nothing to do, no error
+
+
 def test_premapped_pages_give_way_to_a_sequence_that_needs_them() -> None:
     cache = make_cache(num_sets=32, order="packed", premap_slots=4, premap_tokens=40, premap_fraction=0.625)
     cache.wait_mapper()

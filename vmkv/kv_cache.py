@@ -319,6 +319,11 @@ class KVCache(ABC, Generic[Plan]):
         before prepare(), replacing the last step's. A layout that maps memory may back them
         while this step computes; the others ignore it. Advice only: nothing is reserved."""
 
+    def arrived(self, prompts: Sequence[UpcomingPrompt]) -> None:  # noqa: B027 - advice only
+        """Prompts that just arrived, told from any thread, often while a step computes: the next
+        step likely admits them. A layout that maps memory may start backing them now; the
+        others ignore it. Advice only: nothing is reserved."""
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix, so no request admitted later hits what came before (a
         benchmark that must start cold); the KV of the sequences in the cache stays. Returns the

@@ -1,8 +1,9 @@
 """`AsyncLLM`: the streaming interface a server uses, with the engine stepping on its own thread.
 
 Requests and aborts reach the engine thread through a queue; outputs come back to each
-request's asyncio queue through its event loop. Only the engine thread touches the
-engine, so the engine itself needs no locks. Leaving a stream early aborts its request.
+request's asyncio queue through its event loop. Only the engine thread changes the
+engine, so the engine itself needs no locks; callers only validate a request and tell the
+KV cache it arrived (both thread-safe). Leaving a stream early aborts its request.
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
+        if not isinstance(prompt, torch.Tensor):  # the cache may back it while a step computes
+            self.engine.prompts_arrived([(prompt_ids, cache_salt)])
         prompt = prompt if text is None else text
         self._inbox.put(("add", request_id, prompt, params, cache_salt, priority, lora_request))
         self._wake.set()

@@ -1,10 +1,11 @@
 """The engine-core process: one LLMEngine stepping as fast as it can, fed and drained over ZeroMQ.
 
 It owns the model, the KV cache and the scheduler, and does nothing per token but sample:
-no detokenization, no JSON, no HTTP. Between steps it takes every command that arrived
-(without waiting while it has work), and after a step it sends one message with every
-request's new token ids and the engine's stats. It exits when told to, on SIGTERM, or
-when the API process that started it is gone.
+no detokenization, no JSON, no HTTP. A receiver thread decodes commands as they arrive and
+tells the engine of new prompts at once, so the KV cache may back them while a step computes;
+between steps the loop applies every command that arrived (without waiting while it has work),
+and after a step it sends one message with every request's new token ids and the engine's
+stats. It exits when told to, on SIGTERM, or when the API process that started it is gone.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import signal
 import threading
 import time
@@ -48,6 +50,7 @@ from vmkv.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 PARENT_CHECK_SECONDS = 1.0
 HEALTH_CHECK_MS = 1000  # an idle engine notices a lost tensor-parallel rank within this
+RECEIVE_POLL_MS = 100  # the receiver thread notices close() within this
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,6 +97,11 @@ class EngineCore:
         self.sent: dict[str, dict[int, int]] = {}  # request id -> sample index -> tokens sent
         self.prompt_logprobs_sent: set[str] = set()
         self.running = True
+        # commands decoded as they arrive, in order (or the error that stopped the receiver)
+        self.inbox: queue.SimpleQueue[list[Command] | BaseException] = queue.SimpleQueue()
+        self._stop_receiving = threading.Event()
+        self._receiver = threading.Thread(target=self._receive_commands, name="vmkv-commands", daemon=True)
+        self._receiver.start()
 
     def run(self) -> None:
         try:
@@ -112,18 +120,44 @@ class EngineCore:
         """Apply every command that has arrived; block for the first one only if `wait`
         (checking the engine's health while it waits)."""
         outputs: list[RequestOutput | RequestUpdate] = []
-        while wait and self.running and not self.commands.poll(HEALTH_CHECK_MS):
-            self.engine.check_health()
-        flags = 0 if wait else zmq.NOBLOCK
+        block = wait
         while self.running:
             try:
-                frame = self.commands.recv(flags, copy=False)
-            except zmq.Again:
-                break
-            for command in command_decoder.decode(frame.buffer):
+                item = self.inbox.get(timeout=HEALTH_CHECK_MS / 1000) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                if not block:
+                    break
+                self.engine.check_health()
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            for command in item:
                 outputs += self.apply(command)
-            flags = zmq.NOBLOCK
+            block = False
         return outputs
+
+    def _receive_commands(self) -> None:
+        """The receiver thread: decode commands as they arrive, even while a step computes, and
+        tell the engine of new prompts at once, so the KV cache can back their memory before
+        the step that admits them (LLMEngine.prompts_arrived). Only this thread touches the
+        commands socket."""
+        try:
+            while not self._stop_receiving.is_set():
+                if not self.commands.poll(RECEIVE_POLL_MS):
+                    continue
+                commands = command_decoder.decode(self.commands.recv(copy=False).buffer)
+                prompts = [
+                    (c.prompt_token_ids, c.cache_salt)
+                    for c in commands
+                    if isinstance(c, AddRequest) and c.prompt_embeds is None
+                ]
+                if prompts:
+                    self.engine.prompts_arrived(prompts)
+                self.inbox.put(commands)
+                if any(isinstance(c, Shutdown) for c in commands):
+                    return
+        except BaseException as error:  # the loop raises it: a dead receiver must not look idle
+            self.inbox.put(error)
 
     def apply(self, command: Command) -> list[RequestOutput | RequestUpdate]:
         engine = self.engine
@@ -204,6 +238,8 @@ class EngineCore:
         )
 
     def close(self) -> None:
+        self._stop_receiving.set()
+        self._receiver.join()
         self.engine.close()
         self.context.destroy(linger=0)
 

@@ -45,7 +45,7 @@ from vmkv.engine.sleep import (
 from vmkv.engine.stop_strings import cut_at_stop, find_stop
 from vmkv.engine.structured_output import GrammarCompiler
 from vmkv.heap import HeapTrimmer, keep_step_buffers
-from vmkv.kv_cache import KVMemory, KVStats
+from vmkv.kv_cache import KVMemory, KVStats, UpcomingPrompt
 from vmkv.model.store import load_tokenizer, resolve_model
 
 Answer = Callable[[object, BaseException | None], None]  # a control call's (result, error)
@@ -285,6 +285,13 @@ class LLMEngine:
         returns (prompt text or None, prompt token ids) or raises RequestRejected."""
         check_extra_args(self._processor_classes, params)
         return self.info.validate(self.tokenizer, prompt, params)
+
+    def prompts_arrived(self, prompts: SequenceABC[tuple[SequenceABC[int], str | None]]) -> None:
+        """Advice from the thread that receives requests, while a step may run: prompts (token
+        ids and cache salt) that add_request will queue before the next step. The KV cache may
+        start backing them now (KVCache.arrived). Safe from any thread; a sleeping cache ignores it."""
+        if "kv_cache" not in self.asleep:
+            self.cache.arrived([UpcomingPrompt(ids, salt) for ids, salt in prompts])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV; returns its final output, None if it is not live."""

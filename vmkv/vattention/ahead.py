@@ -82,22 +82,28 @@ class MapAhead:
         fit = min(slots, self.reserve_limit // self.geometry.pages_for(target_tokens))
         return self._back_idle([target_tokens] * fit, upcoming=False)
 
-    def for_upcoming(self, lengths: list[int]) -> list[MapJob]:
+    def for_upcoming(self, lengths: list[int], claimed: set[int]) -> list[MapJob]:
         """Jobs backing one idle slot for each prompt the next step likely admits, at its own
         length, so its admission maps nothing on the step thread and its slot (the best fit,
         SlotTable.pick) holds no page beside it. Neither the reserve limit nor the held peak
-        bounds them: the admissions take these pages at the next step anyway."""
-        return self._back_idle(sorted(lengths, reverse=True), upcoming=True)
+        bounds them: the admissions take these pages at the next step anyway. `claimed`: slots
+        chosen for other upcoming prompts since the last step, skipped; the chosen join it."""
+        return self._back_idle(sorted(lengths, reverse=True), upcoming=True, claimed=claimed)
 
-    def _back_idle(self, targets: list[int], upcoming: bool) -> list[MapJob]:
+    def _back_idle(self, targets: list[int], upcoming: bool, claimed: set[int] | None = None) -> list[MapJob]:
         """Back the idle slots keeping the most private pages to targets (largest first), each in
         pieces of PREMAP_PIECE pages, one job each, so the cache lock is free between them."""
         if not targets:  # the common step: nothing waits, so no walk over the idle slots
             return []
-        private = [s for s in self.table.idle() if self.table.usable(s) == len(s.sets)]
+        skip = claimed or set()
+        private = [
+            s for s in self.table.idle() if self.table.usable(s) == len(s.sets) and s.index not in skip
+        ]
         chosen = sorted(private, key=lambda s: (-len(s.sets), s.index))
         jobs = []
         for slot, target in zip(chosen, targets, strict=False):
+            if claimed is not None:
+                claimed.add(slot.index)
             want = self.geometry.pages_for(target)
             if len(slot.sets) < want:
                 pieces = range(len(slot.sets) + PREMAP_PIECE, want, PREMAP_PIECE)

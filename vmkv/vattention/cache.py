@@ -120,6 +120,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         self._bursts: deque[int] = deque(maxlen=16)
         self._admitted = 0  # since the last prepare()
         self._upcoming: list[int] = []  # lengths of the prompts the next step likely admits (expect)
+        self._claimed: set[int] = set()  # idle slots chosen for upcoming prompts since the last prepare()
         self._step_faults = 0  # the step thread's minor faults when the step began (prepare)
         self._last_admit = time.monotonic()
         self.peaks = HeldPeaks()
@@ -295,7 +296,8 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             jobs = self._ahead.look_ahead(seqs)
             if padding and self._mapper is not None:
                 jobs += self._ahead.group_pad(batch, seqs, upcoming=1)
-            jobs += self._ahead.for_upcoming(self._upcoming)
+            self._claimed = set()  # this step's admissions took what earlier steps' advice backed
+            jobs += self._ahead.for_upcoming(self._upcoming, self._claimed)
             self._upcoming = []
             admitted, self._admitted = self._admitted, 0
             if admitted:
@@ -330,6 +332,19 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
             return
         with self._lock:
             self._upcoming = [len(p.token_ids) for p in prompts if not self._prefix_hit(p)]
+
+    def arrived(self, prompts: Sequence[UpcomingPrompt]) -> None:
+        """Queue backing one idle slot for each prompt now, skipping slots chosen for other
+        upcoming prompts since the last step, so a request that arrives while a step computes
+        is admitted at the next one into pages the mapper populated meanwhile (expect() names
+        only the prompts waiting when a step is scheduled). Called from any thread."""
+        with self._lock:
+            if not self._premap or self._closed:
+                return
+            fit = [p for p in prompts if 0 < len(p.token_ids) <= self.max_len and not self._prefix_hit(p)]
+            jobs = self._ahead.for_upcoming([len(p.token_ids) for p in fit], self._claimed)
+            if jobs:  # under the lock, as close() marks the cache closed before stopping the mapper
+                self._mapper.submit(jobs)
 
     def _prefix_hit(self, prompt: UpcomingPrompt) -> bool:
         """Whether the prompt's first chunk hash is indexed (unverified, so no collision is
@@ -407,14 +422,15 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
 
     def close(self) -> None:
         """Stop the mapper, unmap everything and give the pages (and an own driver) back."""
-        if self._closed:
-            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True  # from here queued jobs, trims and advice from other threads do nothing
         if self._mapper is not None:
             self._mapper.close()
         if self._trimmer is not None:
             self._trimmer.close()
         with self._lock:
-            self._closed = True
             if self.prefix is not None:
                 self.prefix.clear()
             self.mapping.give_back()
