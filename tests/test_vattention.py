@@ -504,13 +504,21 @@ def test_a_prompt_longer_than_a_reserve_slot_takes_its_other_pages_from_the_rese
     cache.close()
 
 
+def reserve_cache(premap_slots: int, premap_tokens: int) -> VAttentionKVCache:
+    """A packed cache whose reserve is built: room for it in half the sets, and no look-ahead
+    chunk, which would fill the held peak the reserve stays within."""
+    options = {"premap_fraction": 0.5, "ahead_bytes": 0}
+    cache = make_cache(
+        num_sets=64, order="packed", premap_slots=premap_slots, premap_tokens=premap_tokens, **options
+    )
+    cache.wait_mapper()
+    return cache
+
+
 def test_the_reserve_keeps_twice_the_most_admissions_of_one_step_backed() -> None:
     # one admission a step, of 40 tokens (5 pages): two idle slots are backed for the next,
-    # since arrivals at a rate come in bursts the last admitting steps did not show (no look-ahead
-    # chunk, which would fill the held peak the reserve stays within)
-    options = {"premap_slots": 4, "premap_tokens": 16, "premap_fraction": 0.5, "ahead_bytes": 0}
-    cache = make_cache(num_sets=64, order="packed", **options)
-    cache.wait_mapper()
+    # since arrivals at a rate come in bursts the last admitting steps did not show
+    cache = reserve_cache(premap_slots=4, premap_tokens=16)
     cache.admit(1, [0] * 40)
     write(cache, [SeqStep(1, 0, 40)], {1: 1.0})
     cache.wait_mapper()
@@ -522,9 +530,7 @@ def test_the_reserve_keeps_twice_the_most_admissions_of_one_step_backed() -> Non
 def test_prompts_told_as_they_arrive_get_an_idle_slot_each_and_map_nothing_when_admitted() -> None:
     # told one at a time (as a receiver thread hears them), the second must not pick the slot
     # already chosen for the first: both are admitted into pages the mapper backed
-    options = {"premap_slots": 1, "premap_tokens": 8, "premap_fraction": 0.5, "ahead_bytes": 0}
-    cache = make_cache(num_sets=64, order="packed", **options)
-    cache.wait_mapper()
+    cache = reserve_cache(premap_slots=1, premap_tokens=8)
     cache.arrived([UpcomingPrompt([1] * 24)])
     cache.arrived([UpcomingPrompt([2] * 24)])
     cache.wait_mapper()
