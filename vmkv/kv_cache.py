@@ -63,7 +63,7 @@ class KVShape:
 
 @dataclass(frozen=True)
 class UpcomingPrompt:
-    """A waiting prompt the scheduler expects to admit at the next step (KVCache.expect)."""
+    """A prompt the next step likely admits: waiting (KVCache.expect) or just arrived (KVCache.arrived)."""
 
     token_ids: Sequence[int]
     cache_salt: str | None = None
