@@ -115,23 +115,35 @@ def test_the_core_sends_each_token_once_and_refuses_a_duplicate_id(tiny_model_di
     offline.close()
 
 
+@contextlib.contextmanager
+def core_and_sender(model_dir: Path) -> Iterator[tuple[EngineCore, zmq.Socket]]:
+    """An EngineCore over the tiny model and a socket that sends to its commands address, as the
+    API process's does; both closed after."""
+    commands, outputs = new_addresses()
+    core = EngineCore(
+        LLMEngine(EngineConfig(model=str(model_dir), **ENGINE), detokenize=False), commands, outputs
+    )
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.connect(commands)
+    try:
+        yield core, push
+    finally:
+        push.close(linger=0)
+        context.destroy(linger=0)
+        core.close()
+
+
 def test_the_engine_hears_of_a_prompt_as_it_arrives_and_applies_it_between_steps(
     tiny_model_dir: Path,
 ) -> None:
     """The receiver thread tells the engine of a new prompt at once, while the loop is busy (here:
     not receiving), so the KV cache may back it before the step that admits it; the loop applies
     the command only when it receives."""
-    commands, outputs = new_addresses()
-    core = EngineCore(
-        LLMEngine(EngineConfig(model=str(tiny_model_dir), **ENGINE), detokenize=False), commands, outputs
-    )
-    heard: list[list[tuple]] = []
-    core.engine.prompts_arrived = heard.append  # the instance's, which the receiver thread calls
-    context = zmq.Context()
-    push = context.socket(zmq.PUSH)
-    push.connect(commands)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    try:
+    with core_and_sender(tiny_model_dir) as (core, push):
+        heard: list[list[tuple]] = []
+        core.engine.prompts_arrived = heard.append  # the instance's, which the receiver thread calls
         push.send(
             encoder.encode(
                 [AddRequest("a", [5, 6, 7], params, "salt"), AddRequest("b", [8, 9], params, None)]
@@ -144,30 +156,15 @@ def test_the_engine_hears_of_a_prompt_as_it_arrives_and_applies_it_between_steps
         assert not core.engine.has_unfinished_requests()  # not applied yet
         assert core.receive(wait=True) == []
         assert [g.request_id for g in core.engine.scheduler.waiting] == ["a", "b"]
-    finally:
-        push.close(linger=0)
-        context.destroy(linger=0)
-        core.close()
 
 
 def test_a_frame_the_receiver_cannot_decode_stops_the_loop_instead_of_leaving_it_waiting(
     tiny_model_dir: Path,
 ) -> None:
-    commands, outputs = new_addresses()
-    core = EngineCore(
-        LLMEngine(EngineConfig(model=str(tiny_model_dir), **ENGINE), detokenize=False), commands, outputs
-    )
-    context = zmq.Context()
-    push = context.socket(zmq.PUSH)
-    push.connect(commands)
-    try:
+    with core_and_sender(tiny_model_dir) as (core, push):
         push.send(b"not msgpack commands")
         with pytest.raises(msgspec.DecodeError):
             core.receive(wait=True)
-    finally:
-        push.close(linger=0)
-        context.destroy(linger=0)
-        core.close()
 
 
 def test_a_commands_priority_reaches_the_scheduler_and_fcfs_refuses_one(tiny_model_dir: Path) -> None:

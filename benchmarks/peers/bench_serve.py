@@ -464,8 +464,8 @@ def markdown(runs: list[dict]) -> str:
         groups.setdefault((run["mode"], run["rate"], run["target"], run["dtype"]), []).append(run)
     peer: dict[str, float] = {}  # rate -> vLLM's output tok/s in its fastest dtype (median over rounds)
     for (mode, rate, target, _), rows in groups.items():
-        if mode == "served" and target == "vllm" and median(rows, "output_throughput"):
-            peer[rate] = max(peer.get(rate, 0.0), median(rows, "output_throughput"))
+        if mode == "served" and target == "vllm" and (tok_s := median(rows, "output_throughput")):
+            peer[rate] = max(peer.get(rate, 0.0), tok_s)
     lines = [
         "| target | dtype | mode | rate | output tok/s | vs vLLM | TTFT median / p99 ms "
         "| TPOT median / p99 ms | ITL median ms | completed | runs |",

@@ -80,7 +80,7 @@ class MapAhead:
         the reserve limit whole: the slots the next admissions pick (SlotTable.pick), so they
         map nothing on the step thread."""
         fit = min(slots, self.reserve_limit // self.geometry.pages_for(target_tokens))
-        return self._back_idle([target_tokens] * fit, upcoming=False)
+        return self._back_idle([target_tokens] * fit, upcoming=False, claimed=set())
 
     def for_upcoming(self, lengths: list[int], claimed: set[int]) -> list[MapJob]:
         """Jobs backing one idle slot for each prompt the next step likely admits, at its own
@@ -90,20 +90,19 @@ class MapAhead:
         chosen for other upcoming prompts since the last step, skipped; the chosen join it."""
         return self._back_idle(sorted(lengths, reverse=True), upcoming=True, claimed=claimed)
 
-    def _back_idle(self, targets: list[int], upcoming: bool, claimed: set[int] | None = None) -> list[MapJob]:
+    def _back_idle(self, targets: list[int], upcoming: bool, claimed: set[int]) -> list[MapJob]:
         """Back the idle slots keeping the most private pages to targets (largest first), each in
-        pieces of PREMAP_PIECE pages, one job each, so the cache lock is free between them."""
+        pieces of PREMAP_PIECE pages, one job each, so the cache lock is free between them;
+        slots in `claimed` are skipped and the chosen join it."""
         if not targets:  # the common step: nothing waits, so no walk over the idle slots
             return []
-        skip = claimed or set()
         private = [
-            s for s in self.table.idle() if self.table.usable(s) == len(s.sets) and s.index not in skip
+            s for s in self.table.idle() if self.table.usable(s) == len(s.sets) and s.index not in claimed
         ]
         chosen = sorted(private, key=lambda s: (-len(s.sets), s.index))
         jobs = []
         for slot, target in zip(chosen, targets, strict=False):
-            if claimed is not None:
-                claimed.add(slot.index)
+            claimed.add(slot.index)
             want = self.geometry.pages_for(target)
             if len(slot.sets) < want:
                 pieces = range(len(slot.sets) + PREMAP_PIECE, want, PREMAP_PIECE)

@@ -331,7 +331,7 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         if not self._premap or not (prompts or self._upcoming):
             return
         with self._lock:
-            self._upcoming = [len(p.token_ids) for p in prompts if not self._prefix_hit(p)]
+            self._upcoming = self._lengths_to_back(prompts)
 
     def arrived(self, prompts: Sequence[UpcomingPrompt]) -> None:
         """Queue backing one idle slot for each prompt now, skipping slots chosen for other
@@ -341,10 +341,18 @@ class VAttentionKVCache(DenseSlotSequences[SlotSeq], KVCache[DenseSlotPlan]):
         with self._lock:
             if not self._premap or self._closed:
                 return
-            fit = [p for p in prompts if 0 < len(p.token_ids) <= self.max_len and not self._prefix_hit(p)]
-            jobs = self._ahead.for_upcoming([len(p.token_ids) for p in fit], self._claimed)
+            jobs = self._ahead.for_upcoming(self._lengths_to_back(prompts), self._claimed)
             if jobs:  # under the lock, as close() marks the cache closed before stopping the mapper
                 self._mapper.submit(jobs)
+
+    def _lengths_to_back(self, prompts: Sequence[UpcomingPrompt]) -> list[int]:
+        """The lengths of the upcoming prompts a slot should be backed for: those a slot holds
+        (admit refuses the others) and whose first chunk is not cached."""
+        return [
+            len(p.token_ids)
+            for p in prompts
+            if 0 < len(p.token_ids) <= self.max_len and not self._prefix_hit(p)
+        ]
 
     def _prefix_hit(self, prompt: UpcomingPrompt) -> bool:
         """Whether the prompt's first chunk hash is indexed (unverified, so no collision is

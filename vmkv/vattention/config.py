@@ -67,8 +67,8 @@ class VAttentionConfig:
     # pre-mapped idle slots for admissions (the reserve): with the mapper and deferred reclamation
     # on, the mapper keeps idle slots backed for the longest part of the last prompts that
     # admissions had to back themselves (premap_tokens before any), twice as many as the most
-    # admitted in one step lately (premap_slots before any, and at most), so an admission maps nothing on
-    # the step thread. The reserve holds at most premap_fraction of the page sets (whole slots
+    # admitted in one step lately (premap_slots before any, and at most), so an admission maps
+    # nothing on the step thread. The reserve holds at most premap_fraction of the page sets (whole slots
     # only), is reclaimed at once when a sequence needs the memory, and is dropped after
     # kept_idle_seconds without an admission. Measured (docs/vattention.md): in
     # benchmarks/bench_sharing.py (fp32, 256 MiB) the old 16 slots x 256 tokens held 180 MiB, this
