@@ -15,7 +15,7 @@ from vmkv.drivers import HostDriver
 
 from vmkv import LLM, SamplingParams, prefix_cache
 from vmkv.engine import kv_factory
-from vmkv.kv_cache import KVShape, OutOfKVMemory, SeqStep, StepBatch
+from vmkv.kv_cache import KVShape, OutOfKVMemory, SeqStep, StepBatch, UpcomingPrompt
 from vmkv.vattention import VAttentionKVCache
 from vmkv.vattention import cache as vattention_cache
 from vmkv.vattention.geometry import SlotGeometry
@@ -465,6 +465,27 @@ def test_the_premapped_reserve_outranks_the_least_recently_used_cached_chunk_at_
     assert cache.table.reserve() == 1 and stats.prefix_cache_evictions == 1
     assert cache.pool.peak_held == 4 and stats.page_sets_free == 0
     assert cache.admit(1, prompt) == 96  # the prefix's tail went first; its head is still cached
+    cache.close()
+
+
+def test_a_prompt_told_as_it_arrives_is_backed_in_the_slot_its_admission_would_pick() -> None:
+    # the admission would clear the lowest idle slot, which keeps a finished prompt's cached
+    # chunks; backed ahead elsewhere, those chunks would stay mapped and could never be evicted
+    cache = make_cache(sets=16, background_mapping=True, premap_fraction=0.0, ahead_bytes=0)
+    prompt = list(range(1, 65))
+    cache.admit(0, prompt)
+    compute(cache, 0, 0, 64, seed=0)
+    cache.wait_mapper()  # the look-ahead maps its third page
+    cache.free(0)
+    kept = cache.table.slots[0]
+    assert len(kept.sets) == 3 and cache.pool.index_only == 0  # its 2 chunks are mapped there too
+    cache.arrived([UpcomingPrompt([7] * 64)])
+    cache.wait_mapper()
+    critical = cache.stats().map_calls_critical
+    cache.admit(1, [7] * 64)
+    assert cache.seqs[1].slot == 0 and cache.stats().map_calls_critical == critical
+    assert cache.pool.index_only == 2 and sum(len(s.sets) for s in cache.table.slots) == 2
+    assert cache.admit(2, [*prompt, 99]) == 64  # still cached
     cache.close()
 
 

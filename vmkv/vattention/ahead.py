@@ -91,21 +91,34 @@ class MapAhead:
         return self._back_idle(sorted(lengths, reverse=True), upcoming=True, claimed=claimed)
 
     def _back_idle(self, targets: list[int], upcoming: bool, claimed: set[int]) -> list[MapJob]:
-        """Back the idle slots keeping the most private pages to targets (largest first), each in
-        pieces of PREMAP_PIECE pages, one job each, so the cache lock is free between them;
-        slots in `claimed` are skipped and the chosen join it."""
+        """Back an idle slot to each target (largest first), each in pieces of PREMAP_PIECE
+        pages, one job each, so the cache lock is free between them; slots in `claimed` are
+        skipped and the chosen join it.
+
+        An upcoming prompt gets the slot its admission would pick (SlotTable.pick), a slot
+        keeping cached chunks included (the job drops them first, as the admission would), so
+        the admission takes the very pages backed for it. Choosing among private slots only, a
+        prompt told as it arrived was backed in an empty slot where its admission would have
+        cleared one keeping cached chunks: every prompt then kept its predecessors' chunks mapped
+        (held at peak, chat at 4 req/s: 87 against 57 MiB without the advice). The reserve tops
+        up private slots only."""
         if not targets:  # the common step: nothing waits, so no walk over the idle slots
             return []
-        private = [
-            s for s in self.table.idle() if self.table.usable(s) == len(s.sets) and s.index not in claimed
+        table = self.table
+        candidates = [
+            s for s in table.idle() if s.index not in claimed and (upcoming or table.usable(s) == len(s.sets))
         ]
-        chosen = sorted(private, key=lambda s: (-len(s.sets), s.index))
         jobs = []
-        for slot, target in zip(chosen, targets, strict=False):
-            claimed.add(slot.index)
+        for target in targets:
             want = self.geometry.pages_for(target)
-            if len(slot.sets) < want:
-                pieces = range(len(slot.sets) + PREMAP_PIECE, want, PREMAP_PIECE)
+            slot = table.pick(want, among=candidates)
+            if slot is None:
+                break
+            candidates.remove(slot)
+            claimed.add(slot.index)
+            usable = table.usable(slot)
+            if usable < want:
+                pieces = range(usable + PREMAP_PIECE, want, PREMAP_PIECE)
                 tokens = [self.geometry.tokens_backed(p) for p in pieces] + [target]
                 jobs += [MapJob(slot.index, slot.generation, t, idle=True, upcoming=upcoming) for t in tokens]
         jobs = [job for job in jobs if job not in self.queued_idle]
@@ -119,6 +132,8 @@ class MapAhead:
         slot = table.slots[job.slot]
         if slot.generation != job.generation or (slot.seq_id is None) != job.idle:
             return False  # freed or reassigned since the job was queued
+        if job.idle:
+            table.clear_shared(slot)  # kept cached chunks: the admission would drop them too
         want = self.geometry.pages_for(job.target_tokens) - len(slot.sets)
         if want <= 0:
             return False

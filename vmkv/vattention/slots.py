@@ -50,10 +50,11 @@ class SlotTable:
     def idle(self) -> list[Slot]:
         return [s for s in self.slots if s.seq_id is None]
 
-    def pick(self, needed: int) -> Slot | None:
-        """An idle slot: the one with the fewest usable kept pages that are enough (the best fit,
-        so a slot backed for a longer upcoming prompt stays for it), else the one keeping the most."""
-        idle = self.idle()
+    def pick(self, needed: int, among: list[Slot] | None = None) -> Slot | None:
+        """An idle slot (of `among`, when given): the one with the fewest usable kept pages that
+        are enough (the best fit, so a slot backed for a longer upcoming prompt stays for it),
+        else the one keeping the most."""
+        idle = self.idle() if among is None else among
         if not idle:
             return None
         enough = [s for s in idle if self.usable(s) >= needed]
