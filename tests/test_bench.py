@@ -36,7 +36,15 @@ from vmkv.bench.kernels import (
     reference_attention,
 )
 from vmkv.bench.metrics import SLO, Distribution, RequestRecord, compute_metrics
-from vmkv.bench.offline import KVSample, Round, RunOutcome, Target, memory_peaks, run_interleaved
+from vmkv.bench.offline import (
+    KVSample,
+    Round,
+    RunOutcome,
+    Target,
+    announce_arrivals,
+    memory_peaks,
+    run_interleaved,
+)
 from vmkv.bench.online import parse_peer_urls, parse_prometheus, run_online
 from vmkv.bench.peers import transformers_target
 from vmkv.bench.workloads import (
@@ -240,6 +248,30 @@ def test_slo_parsing() -> None:
     for bad in ("ttft", "latency:5", "tpot:fast", "ttft:-1"):
         with pytest.raises(ValueError):
             SLO.parse(bad)
+
+
+def test_requests_arriving_during_a_run_are_announced_at_their_arrival_time() -> None:
+    """The offline driver steps on one thread; a second one tells the engine of each request as
+    it arrives (as a server's receiver does), so the cache may back it while a step computes.
+    Requests there at the start are added before any step and not announced."""
+
+    class Engine:
+        def __init__(self) -> None:
+            self.heard: list[tuple[float, tuple[int, ...]]] = []
+
+        def prompts_arrived(self, prompts: list[tuple[tuple[int, ...], str | None]]) -> None:
+            self.heard += [(time.perf_counter() - t0, ids) for ids, _ in prompts]
+
+    requests = [BenchRequest((1, 2), 4, 0.0), BenchRequest((3,), 4, 0.05), BenchRequest((4, 5, 6), 4, 0.1)]
+    engine, stop = Engine(), threading.Event()
+    t0 = time.perf_counter()
+    announce_arrivals(engine, requests, [0, 1, 2], t0, stop).join()  # type: ignore[arg-type]
+    assert [ids for _, ids in engine.heard] == [(3,), (4, 5, 6)]
+    assert engine.heard[0][0] >= 0.05 and engine.heard[1][0] >= 0.1
+    engine, t0 = Engine(), time.perf_counter()
+    stop.set()  # the run ended first: nothing more is announced
+    announce_arrivals(engine, requests, [0, 1, 2], t0, stop).join()  # type: ignore[arg-type]
+    assert engine.heard == []
 
 
 def test_targets_run_interleaved_a_b_a_b() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import resource
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -118,6 +119,28 @@ def _warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
+def announce_arrivals(
+    engine: LLMEngine, requests: Sequence[BenchRequest], order: list[int], t0: float, stop: threading.Event
+) -> threading.Thread:
+    """A thread telling the engine of each request at its arrival time, as a server's receiving
+    thread does (AsyncLLM, the engine process): the loop below adds requests only between steps,
+    so without it one arriving while a step computes is heard of only when the step returns, too
+    late for the KV cache to back it meanwhile (LLMEngine.prompts_arrived). Requests there at the
+    start are added before the first step: nothing computes while they could be backed."""
+
+    def announce() -> None:
+        for i in order:
+            if requests[i].arrival <= 0:
+                continue
+            if stop.wait(max(0.0, requests[i].arrival - (time.perf_counter() - t0))):
+                return
+            engine.prompts_arrived([(requests[i].prompt_ids, None)])
+
+    thread = threading.Thread(target=announce, name="vmkv-bench-arrivals", daemon=True)
+    thread.start()
+    return thread
+
+
 def drive_engine(engine: LLMEngine, workload: Workload) -> RunOutcome:
     """Submit each request at its arrival time, step until all finish, stamp every chunk."""
     requests = workload.requests
@@ -126,9 +149,31 @@ def drive_engine(engine: LLMEngine, workload: Workload) -> RunOutcome:
     before = engine.stats()
     faults_before = _minor_faults()
     timeline: list[KVSample] = []
+    t0 = time.perf_counter()
+    stop = threading.Event()
+    announcer = announce_arrivals(engine, requests, order, t0, stop)
+    try:
+        step_seconds = _step_until_done(engine, requests, order, records, timeline, t0)
+    finally:
+        stop.set()
+        announcer.join()
+    duration = time.perf_counter() - t0
+    summary = _summarize(engine, before, timeline, step_seconds, _minor_faults() - faults_before)
+    return RunOutcome(records, duration, summary)
+
+
+def _step_until_done(
+    engine: LLMEngine,
+    requests: Sequence[BenchRequest],
+    order: list[int],
+    records: list[RequestRecord],
+    timeline: list[KVSample],
+    t0: float,
+) -> float:
+    """Add the requests that have arrived, step, record; until every request finished.
+    Returns the seconds spent in steps."""
     step_seconds = 0.0
     submitted = 0
-    t0 = time.perf_counter()
     while submitted < len(order) or engine.has_unfinished_requests():
         now = time.perf_counter() - t0
         while submitted < len(order) and requests[order[submitted]].arrival <= now:
@@ -154,9 +199,7 @@ def drive_engine(engine: LLMEngine, workload: Workload) -> RunOutcome:
         timeline.append(
             KVSample(t, engine.scheduler.num_running_seqs, memory.allocated_bytes, memory.used_bytes, units)
         )
-    duration = time.perf_counter() - t0
-    summary = _summarize(engine, before, timeline, step_seconds, _minor_faults() - faults_before)
-    return RunOutcome(records, duration, summary)
+    return step_seconds
 
 
 def _record_output(record: RequestRecord, out: RequestOutput, t: float) -> None:
